@@ -1,0 +1,7 @@
+"""satjax: asynchronous RL for MoE language models with SAT and routing replay (R3).
+
+The data path is one-way (see DESIGN.md): prompts -> rollout worker -> gRPC queue ->
+trainer (``satjax.losses`` / ``satjax.objectives``) -> weight sync -> checkpoint.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The project's test command (README "Run the tests"; .ci/run calls exactly this).
+# Creates .venv, installs satjax with the test extra, runs ruff and the whole pytest
+# suite on an emulated 8-device CPU mesh. Tests start the servers they use themselves
+# (queue server subprocesses in fixtures). "No tests ran" (pytest exit 5) is a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m ruff check satjax tests benchmarks scripts
+export XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit "$rc"
