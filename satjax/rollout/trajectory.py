@@ -1,0 +1,52 @@
+"""The trajectory record: what a rollout worker produces and the trainer consumes.
+
+This dataclass is the in-memory form shared by every stage of the data path; the gRPC
+queue serialises it with the versioned protobuf schema in ``trajectory.proto``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sampled response to one prompt.
+
+    Shapes (P prompt tokens, N response tokens, L MoE layers, k experts per token,
+    E experts):
+      prompt_tokens:      int32   [P]
+      response_tokens:    int32   [N]
+      behavior_logprobs:  float32 [N]   log-prob of each response token under the
+                                         sampling distribution the engine used.
+      routed_experts:     int32   [P + N - 1, L, k] or None. Expert ids the engine routed
+                                         each token to (engine order kept). The last token
+                                         is never fed back during sampling, so like vLLM we
+                                         store P + N - 1 rows; by causality the trainer may
+                                         route that final position freely.
+      router_logits:      float16 [P + N - 1, L, E] or None.
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    behavior_logprobs: np.ndarray
+    policy_version: int
+    reward: float
+    group_size: int = 1
+    reward_details: dict[str, float] = dataclasses.field(default_factory=dict)
+    finish_reason: str = "length"
+    routed_experts: np.ndarray | None = None
+    router_logits: np.ndarray | None = None
+    engine: str = ""
+    created_unix: float = 0.0
+    generation_seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """P + N."""
+        return int(len(self.prompt_tokens) + len(self.response_tokens))
