@@ -1,0 +1,241 @@
+"""Run configuration: one typed schema, loaded from YAML, overridable from the CLI.
+
+Unknown keys and wrong types fail with a message naming the dotted key, e.g.
+``config key 'train.lr': expected float, got 'fast'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration key or value; the message names the dotted key."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    preset: str = "tiny"  # "tiny" or "" when loading from `path`
+    path: str = ""  # local Hugging Face checkpoint directory (config.json + safetensors)
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # Qwen3MoeConfig fields
+    param_dtype: str = "float32"
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    name: str = "arithmetic"  # "arithmetic" | "jsonl"
+    min_digits: int = 1
+    max_digits: int = 2
+    ops: tuple[str, ...] = ("+",)
+    jsonl_path: str = ""
+    tokenizer_path: str = ""  # local HF tokenizer dir; empty: the built-in char tokenizer
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    engine: str = "builtin"  # "builtin" | "vllm"
+    num_workers: int = 1
+    group_size: int = 8
+    prompts_per_step: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    sample_dtype: str = "bfloat16"
+    record_routes: bool = True
+    vllm_python: str = ""  # interpreter of the venv where vLLM is installed
+
+
+@dataclasses.dataclass
+class QueueConfig:
+    address: str = ""  # empty: start a local queue server subprocess
+    data_dir: str = ""  # empty: <run_dir>/queue
+    token: str = ""  # empty: a random token for the local server
+    fsync: str = "batch"
+
+
+@dataclasses.dataclass
+class ObjectiveConfig:
+    name: str = "sat_gspo"
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class MeshConfigYaml:
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 60
+    learning_rate: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum: int = 1
+    replay: bool = True
+    max_lag: int = 1
+    exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
+    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    mesh: MeshConfigYaml = dataclasses.field(default_factory=MeshConfigYaml)
+
+
+@dataclasses.dataclass
+class SftConfig:
+    steps: int = 300
+    learning_rate: float = 3e-3
+    batch_size: int = 64
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 20
+    keep: int = 3
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    num_prompts: int = 64
+    k: int = 4
+    temperature: float = 1.0
+
+
+@dataclasses.dataclass
+class Config:
+    run_dir: str = "runs/tiny"
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    queue: QueueConfig = dataclasses.field(default_factory=QueueConfig)
+    objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    sft: SftConfig = dataclasses.field(default_factory=SftConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r}: expected a mapping, got {value!r}")
+        return _build(typ, value, key)
+    if typ is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
+    if origin is tuple:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"config key {key!r}: expected a list, got {value!r}")
+        (elem, *_) = typing.get_args(typ)
+        return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config key {key!r}: expected a mapping, got {value!r}")
+        return dict(value)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"config key {key!r}: expected true/false, got {value!r}")
+    if typ is int and isinstance(value, bool):
+        raise ConfigError(f"config key {key!r}: expected int, got {value!r}")
+    if not isinstance(value, typ):
+        raise ConfigError(f"config key {key!r}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(names))}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _apply_override(data: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got {assignment!r}")
+    dotted, raw = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key {dotted!r}: {p!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Loads ``path`` (YAML) over the defaults and applies ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded
+    for assignment in overrides:
+        _apply_override(data, assignment)
+    cfg = _build(Config, data)
+    _check_values(cfg)
+    return cfg
+
+
+def _check_values(cfg: Config) -> None:
+    def need(cond: bool, key: str, what: str) -> None:
+        if not cond:
+            raise ConfigError(f"config key {key!r}: {what}")
+
+    need(cfg.rollout.engine in ("builtin", "vllm"), "rollout.engine", "builtin or vllm")
+    need(cfg.task.name in ("arithmetic", "jsonl"), "task.name", "arithmetic or jsonl")
+    need(cfg.task.name != "jsonl" or bool(cfg.task.jsonl_path), "task.jsonl_path", "required")
+    need(cfg.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group baseline)")
+    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    need(cfg.train.steps >= 0, "train.steps", "must be >= 0")
+    need(cfg.train.max_lag >= 0, "train.max_lag", "must be >= 0")
+    need(cfg.train.learning_rate > 0, "train.learning_rate", "must be > 0")
+    need(cfg.train.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    need(
+        cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
+        "train.exact_lag",
+        "must be <= train.max_lag (or -1 for free-running workers)",
+    )
+    need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+    need(cfg.rollout.sample_dtype in ("float32", "bfloat16"), "rollout.sample_dtype",
+         "float32 or bfloat16")
+
+
+def dump_config(cfg: Config) -> str:
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
