@@ -1,0 +1,155 @@
+"""The rollout worker loop shared by every engine.
+
+prompts (Grain) -> engine.generate (group_size samples per prompt) -> reward ->
+Trajectory stamped with the engine's policy version -> queue ``put``.
+
+The worker honours the queue's backpressure (``should_pause``), follows the trainer's
+published weights (``WeightSubscriber``, canary-checked), and on SIGTERM finishes and
+puts the group it is working on before exiting, so no finished trajectory is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+
+from satjax.data.pipeline import Task
+from satjax.data.tasks import Example
+from satjax.model.sampling import SamplingParams
+from satjax.rollout.engine import Engine
+from satjax.rollout.trajectory import Trajectory
+from satjax.rollout.weight_sync import WeightSubscriber, check_canary
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    group_size: int = 8
+    prompts_per_batch: int = 4
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    seed: int = 0
+    worker_id: str = "w0"
+    pause_poll_s: float = 0.05
+    record_routes: bool = True
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        task: Task,
+        tokenizer,
+        client,
+        subscriber: WeightSubscriber,
+        examples: Iterator[Example],
+        cfg: WorkerConfig,
+    ) -> None:
+        if cfg.group_size < 1 or cfg.prompts_per_batch < 1:
+            raise ValueError("group_size and prompts_per_batch must be >= 1")
+        self.engine, self.task, self.tok, self.client = engine, task, tokenizer, client
+        self.subscriber, self.examples, self.cfg = subscriber, examples, cfg
+        self.stop_event = threading.Event()
+        self._batches = 0
+        self.produced = 0
+
+    # -- weights -------------------------------------------------------------------
+    def maybe_sync(self, wait: bool = False) -> bool:
+        """Loads the version the trainer wants served, if it differs; True if loaded."""
+        wanted = self.subscriber.wanted_version()
+        while wanted is None and wait and not self.stop_event.is_set():
+            time.sleep(self.cfg.pause_poll_s)
+            wanted = self.subscriber.wanted_version()
+        if wanted is None or wanted == self.engine.version:
+            return False
+        path = self.subscriber.wait_for(wanted)
+        manifest = self.subscriber.manifest(wanted)
+        self.engine.load(path, wanted)
+        canary = manifest.get("canary")
+        if canary:
+            err = check_canary(
+                manifest, self.engine.canary_logprobs(list(canary["tokens"])),
+                atol=self.engine.canary_atol,
+            )
+            log.info("worker %s loaded v%d (canary err %.2e)", self.cfg.worker_id, wanted, err)
+        return True
+
+    # -- one batch -----------------------------------------------------------------
+    def _encode(self, ex: Example) -> list[int]:
+        return [self.tok.bos_id, *self.tok.encode(ex.prompt)]
+
+    def _response_text(self, tokens: np.ndarray) -> str:
+        ids = [int(t) for t in tokens if int(t) != self.tok.eos_id]
+        return self.tok.decode(ids)
+
+    def generate_groups(self) -> list[Trajectory]:
+        """Samples one batch of groups with the loaded weights and scores it."""
+        cfg = self.cfg
+        examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
+        prompts = [self._encode(ex) for ex in examples for _ in range(cfg.group_size)]
+        seed = hash((cfg.seed, cfg.worker_id, self._batches)) & 0x7FFFFFFF
+        self._batches += 1
+        version = self.engine.version
+        if version is None:
+            raise RuntimeError("generate_groups called before any weights were loaded")
+        t0 = time.time()
+        completions = self.engine.generate(prompts, cfg.sampling, seed)
+        seconds = (time.time() - t0) / max(1, len(completions))
+        out = []
+        for g, ex in enumerate(examples):
+            group_id = uuid.uuid4().hex
+            for j in range(cfg.group_size):
+                c = completions[g * cfg.group_size + j]
+                reward = float(self.task.reward(self._response_text(c.response_tokens), ex))
+                out.append(
+                    Trajectory(
+                        trajectory_id=f"{group_id}-{j}",
+                        group_id=group_id,
+                        prompt_id=ex.prompt_id,
+                        prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
+                        response_tokens=np.asarray(c.response_tokens, np.int32),
+                        behavior_logprobs=np.asarray(c.logprobs, np.float32),
+                        policy_version=int(version),
+                        reward=reward,
+                        group_size=cfg.group_size,
+                        finish_reason=c.finish_reason,
+                        routed_experts=(
+                            np.asarray(c.routed_experts, np.int32) if cfg.record_routes else None
+                        ),
+                        engine=self.engine.name,
+                        created_unix=time.time(),
+                        generation_seconds=seconds,
+                    )
+                )
+        return out
+
+    # -- loop ----------------------------------------------------------------------
+    def run(self, max_batches: int | None = None, install_signal_handlers: bool = True) -> int:
+        """Runs until SIGTERM/SIGINT, ``stop_event`` or ``max_batches``; returns the
+        number of trajectories put on the queue."""
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop_event.set())
+        self.maybe_sync(wait=True)
+        done = 0
+        while not self.stop_event.is_set() and (max_batches is None or done < max_batches):
+            self.maybe_sync()
+            if self.client.should_pause(int(self.engine.version or 0)):
+                self.stop_event.wait(self.cfg.pause_poll_s)
+                continue
+            trajectories = self.generate_groups()
+            # Put even if a stop arrived while sampling: the work is finished, keep it.
+            result = self.client.put(trajectories)
+            rejected = getattr(result, "rejected", None)
+            if rejected:
+                log.error("queue rejected %d trajectories: %s", len(rejected), rejected[:3])
+            self.produced += len(trajectories)
+            done += 1
+        return self.produced
