@@ -11,7 +11,12 @@ import sys
 
 # command -> (module, function taking argv list and returning an exit code, help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("satjax.commands", "train", "asynchronous RL training (queue + workers + trainer)"),
+    "sft": ("satjax.commands", "sft", "supervised warm-up of the tiny policy"),
     "serve-queue": ("satjax.rollout.server", "main", "run the gRPC trajectory queue server"),
+    "rollout": ("satjax.rollout.run_worker", "main", "run one rollout worker"),
+    "eval": ("satjax.commands", "evaluate", "avg@k and pass@k on the held-out split"),
+    "lag-sweep": ("satjax.lag_sweep", "main", "objectives x lags x seeds experiment"),
 }
 
 

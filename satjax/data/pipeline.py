@@ -36,3 +36,13 @@ def prompt_dataset(
 def eval_examples(task: Task, *, num_examples: int) -> list[Example]:
     """The first ``num_examples`` of the held-out split, in a fixed order."""
     return [task.example(i, "test") for i in range(num_examples)]
+
+
+def encode_prompt(tokenizer, example: Example) -> list[int]:
+    """``[bos] + prompt tokens``: how every engine and the SFT warm-up see a prompt."""
+    return [tokenizer.bos_id, *tokenizer.encode(example.prompt)]
+
+
+def decode_response(tokenizer, tokens) -> str:
+    """The response text a reward function scores (EOS removed)."""
+    return tokenizer.decode([int(t) for t in tokens if int(t) != tokenizer.eos_id])

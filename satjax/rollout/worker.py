@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from satjax.data.pipeline import Task
+from satjax.data.pipeline import Task, decode_response, encode_prompt
 from satjax.data.tasks import Example
 from satjax.model.sampling import SamplingParams
 from satjax.rollout.engine import Engine
@@ -82,18 +82,11 @@ class RolloutWorker:
         return True
 
     # -- one batch -----------------------------------------------------------------
-    def _encode(self, ex: Example) -> list[int]:
-        return [self.tok.bos_id, *self.tok.encode(ex.prompt)]
-
-    def _response_text(self, tokens: np.ndarray) -> str:
-        ids = [int(t) for t in tokens if int(t) != self.tok.eos_id]
-        return self.tok.decode(ids)
-
     def generate_groups(self) -> list[Trajectory]:
         """Samples one batch of groups with the loaded weights and scores it."""
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
-        prompts = [self._encode(ex) for ex in examples for _ in range(cfg.group_size)]
+        prompts = [encode_prompt(self.tok, ex) for ex in examples for _ in range(cfg.group_size)]
         seed = hash((cfg.seed, cfg.worker_id, self._batches)) & 0x7FFFFFFF
         self._batches += 1
         version = self.engine.version
@@ -107,7 +100,7 @@ class RolloutWorker:
             group_id = uuid.uuid4().hex
             for j in range(cfg.group_size):
                 c = completions[g * cfg.group_size + j]
-                reward = float(self.task.reward(self._response_text(c.response_tokens), ex))
+                reward = float(self.task.reward(decode_response(self.tok, c.response_tokens), ex))
                 out.append(
                     Trajectory(
                         trajectory_id=f"{group_id}-{j}",
@@ -141,7 +134,7 @@ class RolloutWorker:
         done = 0
         while not self.stop_event.is_set() and (max_batches is None or done < max_batches):
             self.maybe_sync()
-            if self.client.should_pause(int(self.engine.version or 0)):
+            if self.client.should_pause(int(self.engine.version or 0)).pause:
                 self.stop_event.wait(self.cfg.pause_poll_s)
                 continue
             trajectories = self.generate_groups()
