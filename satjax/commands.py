@@ -75,7 +75,7 @@ def evaluate(argv: list[str]) -> int:
     path = args.model
     if path is None:
         sub = WeightSubscriber(Path(cfg.run_dir) / "weights")
-        latest = sub.wanted_version()
+        latest = sub.latest_version()
         if latest is None:
             p.exit(2, f"{p.prog}: error: no published weights under {cfg.run_dir}; pass --model\n")
         path = str(sub.checkpoint_dir(latest))

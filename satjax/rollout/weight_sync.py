@@ -138,6 +138,10 @@ class WeightSubscriber:
         target = _read_int(self.sync_dir / "TARGET")
         return target if target is not None else _read_int(self.sync_dir / "LATEST")
 
+    def latest_version(self) -> int | None:
+        """The newest version the trainer published."""
+        return _read_int(self.sync_dir / "LATEST")
+
     def checkpoint_dir(self, version: int) -> Path:
         path = _version_dir(self.sync_dir, version)
         if not (path / MANIFEST).exists():
