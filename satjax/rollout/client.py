@@ -17,8 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from satjax.rollout._proto import pb2, pb2_grpc
+from satjax.rollout.fastwire import decode, encode, iter_fields
 from satjax.rollout.trajectory import Trajectory
-from satjax.rollout.wire import from_proto, to_proto
 
 SERVICE = "satjax.rollout.v1.TrajectoryQueue"
 T = TypeVar("T")
@@ -110,7 +110,7 @@ class QueueClient:
     def __init__(self, address: str, *, token: str, tls_ca: str | Path | None = None,
                  tls_server_name: str | None = None, max_message_mb: float = 64.0,
                  retries: int = 6, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-                 num_experts: int | None = None):
+                 num_experts: int | None = None, compact_routes: bool = False):
         if not token:
             raise ValueError("token: a non-empty bearer token is required")
         if retries < 0:
@@ -126,11 +126,16 @@ class QueueClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb2_grpc.TrajectoryQueueStub(self._channel)
+        # Hot paths move raw bytes: fastwire encodes/decodes with fewer copies than protobuf.
+        self._put_raw = self._channel.stream_unary(
+            f"/{SERVICE}/Put", response_deserializer=pb2.PutReply.FromString)
+        self._get_raw = self._channel.unary_unary(
+            f"/{SERVICE}/GetBatch", request_serializer=pb2.GetBatchRequest.SerializeToString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.address, self.retries = address, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.num_experts = num_experts
+        self.num_experts, self.compact_routes = num_experts, compact_routes
 
     # -- plumbing -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -151,15 +156,16 @@ class QueueClient:
     # -- producer API ---------------------------------------------------------------------
     def put(self, trajectories: Iterable[Trajectory | Any], *, strict: bool = False,
             timeout: float | None = None) -> PutResult:
-        """Streams ``trajectories`` (dataclasses or ``pb2.Trajectory``) to the queue.
+        """Streams ``trajectories`` (dataclasses, ``pb2.Trajectory`` or wire bytes) to the queue.
 
         Returns accepted ids and per-item rejections; ``strict=True`` raises
         :class:`QueueValidationError` instead when any item is rejected.
         """
-        msgs = [t if isinstance(t, pb2.Trajectory) else to_proto(t, num_experts=self.num_experts)
+        raws = [t if isinstance(t, bytes) else t.SerializeToString()
+                if isinstance(t, pb2.Trajectory) else encode(t, num_experts=self.num_experts)
                 for t in trajectories]
-        reply = self._call("put", lambda: self._stub.Put(iter(msgs), timeout=timeout,
-                                                         metadata=self._metadata))
+        reply = self._call("put", lambda: self._put_raw(iter(raws), timeout=timeout,
+                                                        metadata=self._metadata))
         rejected = [Rejection(r.index, r.trajectory_id, r.field, r.message)
                     for r in reply.rejections]
         result = PutResult(list(reply.accepted_ids), list(reply.duplicate_ids), rejected)
@@ -185,16 +191,33 @@ class QueueClient:
 
         An empty batch (cursor 0) comes back when fewer than ``n`` are ready in time, unless
         ``allow_partial``. Set ``redeliver_unacked`` on the first call after a trainer restart.
+        Routes are int32 unless the client was made with ``compact_routes=True`` (then
+        read-only uint8/uint16 views, no copy).
         """
         request = pb2.GetBatchRequest(n=n, trainer_version=trainer_version, timeout_s=timeout,
                                       allow_partial=allow_partial,
                                       redeliver_unacked=redeliver_unacked)
         if max_lag is not None:
             request.max_lag = max_lag
-        reply = self._call("get_batch", lambda: self._stub.GetBatch(
+        raw = self._call("get_batch", lambda: self._get_raw(
             request, timeout=timeout + 60.0, metadata=self._metadata))
-        return Batch([from_proto(m) for m in reply.trajectories], reply.cursor,
-                     dict(reply.lag_histogram), reply.dropped_stale)
+        return self._decode_batch(raw)
+
+    def _decode_batch(self, raw: bytes) -> Batch:
+        """GetBatchReply wire bytes -> Batch, trajectories decoded without protobuf copies."""
+        trajs, hist, cursor, dropped = [], {}, 0, 0
+        for field, _, value in iter_fields(memoryview(raw)):
+            if field == 1:
+                trajs.append(decode(value, compact_routes=self.compact_routes))
+            elif field == 2:
+                cursor = value
+            elif field == 3:
+                entry = dict((f, v) for f, _, v in iter_fields(value))
+                key = entry.get(1, 0)
+                hist[key - (1 << 64) if key >= 1 << 63 else key] = entry.get(2, 0)
+            elif field == 4:
+                dropped = value
+        return Batch(trajs, cursor, hist, dropped)
 
     def ack(self, cursor: int) -> int:
         """Marks every delivered batch with cursor <= ``cursor`` consumed; returns how many."""

@@ -29,7 +29,7 @@ import time
 from collections import Counter, OrderedDict
 from pathlib import Path
 
-from satjax.rollout._proto import pb2
+from satjax.rollout.fastwire import TrajectoryView
 from satjax.rollout.store import ConsumerState, Location, RetiredIds, SegmentLog
 from satjax.rollout.validation import Limits, Problem, validate
 
@@ -129,7 +129,7 @@ class TrajectoryQueue:
         self.counters: Counter[str] = Counter()
         last = self._consumer.watermark
         for seq, loc, payload in self._log.replay():
-            msg = pb2.Trajectory.FromString(payload)
+            msg = TrajectoryView(payload)
             self._ids[msg.trajectory_id] = seq
             self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
             if not self._consumer.is_done(seq):
@@ -142,7 +142,7 @@ class TrajectoryQueue:
                  self._next_seq)
 
     # -- helpers (lock held) ----------------------------------------------------------------
-    def _index(self, seq: int, msg: pb2.Trajectory, loc: Location) -> None:
+    def _index(self, seq: int, msg: TrajectoryView, loc: Location) -> None:
         entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc)
         self._entries[seq] = entry
         group = self._groups.get(msg.group_id)
@@ -172,10 +172,14 @@ class TrajectoryQueue:
             self._log.delete(first)
             self.counters["segments_deleted"] += 1
 
+    def _save_state(self) -> None:
+        # fsync=never: the rename alone survives a process crash (not a power cut)
+        self._consumer.save(self._state_path, fsync=self.config.fsync != "never")
+
     def _max_lag(self, max_lag: int | None) -> int:
         return self.config.max_lag_default if max_lag is None else max_lag
 
-    def _check_group(self, msg: pb2.Trajectory, staged: dict[str, list]) -> Problem | None:
+    def _check_group(self, msg: TrajectoryView, staged: dict[str, list]) -> Problem | None:
         """Members of a group agree on group_size and prompt_id; no more than group_size."""
         group, mine = self._groups.get(msg.group_id), staged.get(msg.group_id)
         if group is not None:
@@ -197,7 +201,7 @@ class TrajectoryQueue:
         return None
 
     # -- producer side ------------------------------------------------------------------------
-    def put(self, items: list[tuple[bytes, pb2.Trajectory]]) -> PutResult:
+    def put(self, items: list[tuple[bytes, TrajectoryView]]) -> PutResult:
         """Validates and durably stores ``items`` (raw bytes, parsed message) in one write."""
         problems = [validate(msg, self.config.limits) for _, msg in items]
         result = PutResult([], [], [])
@@ -206,7 +210,7 @@ class TrajectoryQueue:
             newest = trainer_v + 1 + self.config.future_slack
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
             seen: set[str] = set()
-            to_store: list[tuple[bytes, pb2.Trajectory]] = []
+            to_store: list[tuple[bytes, TrajectoryView]] = []
             for i, ((raw, msg), bad) in enumerate(zip(items, problems, strict=True)):
                 tid = msg.trajectory_id
                 if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
@@ -289,6 +293,7 @@ class TrajectoryQueue:
                 self.counters["redelivered_total"] += sum(map(len, self._batches.values()))
                 self._batches.clear()
             c = self._consumer
+            changed = (c.trainer_version, c.max_lag, c.batch_n) != (trainer_version, lag, n)
             c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, n
             dropped = 0
             self._waiting += 1
@@ -320,7 +325,8 @@ class TrajectoryQueue:
                 self._batches[cursor] = entries
             self.counters["dropped_stale_total"] += dropped
             self.counters["delivered_total"] += len(entries)
-            c.save(self._state_path)  # drops and the trainer version survive restarts
+            if changed or dropped:  # drops and the trainer version survive restarts
+                self._save_state()
             if dropped:
                 self._gc()
         hist = Counter(trainer_version - e.policy_version for e in entries)
@@ -332,7 +338,7 @@ class TrajectoryQueue:
             done = [k for k in self._batches if k <= cursor]
             entries = [e for k in done for e in self._batches.pop(k)]
             self._consume(entries)
-            self._consumer.save(self._state_path)
+            self._save_state()
             self.counters["acked_total"] += len(entries)
             self._gc()
             return len(entries), self._consumer.watermark

@@ -16,15 +16,15 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from satjax.rollout._proto import pb2
+from satjax.rollout.fastwire import TrajectoryView, WireError, iter_fields
 from satjax.rollout.queue_core import BatchResult, QueueConfig, QueueRequestError, TrajectoryQueue
 from satjax.rollout.store import FSYNC_POLICIES
 from satjax.rollout.validation import Limits
@@ -87,11 +87,20 @@ def encode_batch_reply(result: BatchResult) -> bytes:
     return b"".join(parts)
 
 
-def _parse_item(raw: bytes) -> tuple[bytes, pb2.Trajectory | None]:
+def _parse_item(raw: bytes) -> tuple[bytes, TrajectoryView | None]:
     try:
-        return raw, pb2.Trajectory.FromString(raw)
-    except DecodeError:
+        return raw, TrajectoryView(raw)
+    except WireError:
         return raw, None
+
+
+def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
+    """PutBatchRequest: field 1 repeated Trajectory, sliced out without re-encoding."""
+    try:
+        return [_parse_item(bytes(v)) for f, w, v in iter_fields(memoryview(raw))
+                if f == 1 and w == 2]
+    except WireError:
+        return [(raw, None)]
 
 
 class QueueService:
@@ -100,9 +109,9 @@ class QueueService:
     def __init__(self, queue: TrajectoryQueue):
         self.queue = queue
 
-    def _put_items(self, items: Iterator[tuple[bytes, pb2.Trajectory | None]]) -> pb2.PutReply:
+    def _put_items(self, items: Iterable[tuple[bytes, TrajectoryView | None]]) -> pb2.PutReply:
         reply = pb2.PutReply()
-        chunk: list[tuple[bytes, pb2.Trajectory]] = []
+        chunk: list[tuple[bytes, TrajectoryView]] = []
         index, chunk_start, chunk_bytes = 0, 0, 0
 
         def flush():
@@ -134,8 +143,9 @@ class QueueService:
     def put(self, request_iterator, context) -> pb2.PutReply:
         return self._put_items(request_iterator)
 
-    def put_batch(self, request: pb2.PutBatchRequest, context) -> pb2.PutReply:
-        return self._put_items((t.SerializeToString(), t) for t in request.trajectories)
+    def put_batch(self, items: list[tuple[bytes, TrajectoryView | None]], context
+                  ) -> pb2.PutReply:
+        return self._put_items(items)
 
     def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:
         try:
@@ -169,7 +179,9 @@ class QueueService:
             "Put": grpc.stream_unary_rpc_method_handler(
                 self.put, request_deserializer=_parse_item,
                 response_serializer=pb2.PutReply.SerializeToString),
-            "PutBatch": unary(self.put_batch, pb2.PutBatchRequest),
+            "PutBatch": grpc.unary_unary_rpc_method_handler(
+                self.put_batch, request_deserializer=_parse_put_batch,
+                response_serializer=pb2.PutReply.SerializeToString),
             "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, encode_batch_reply),
             "Ack": unary(self.ack, pb2.AckRequest),
             "Stats": unary(self.stats, pb2.StatsRequest),

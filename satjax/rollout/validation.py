@@ -13,9 +13,11 @@ import math
 import numpy as np
 
 from satjax.rollout._proto import pb2
+from satjax.rollout.fastwire import TrajectoryView
 from satjax.rollout.wire import LOGIT_DTYPES, ROUTE_DTYPES, SCHEMA_VERSION
 
 FINISH_REASONS = ("stop", "length", "abort")
+TrajectoryLike = pb2.Trajectory | TrajectoryView  # same attribute names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ def _packed(data: bytes, dtype: np.dtype, field: str) -> tuple[np.ndarray | None
     return np.frombuffer(data, dtype=dtype), None
 
 
-def _check_ids(msg: pb2.Trajectory, limits: Limits) -> Problem | None:
+def _check_ids(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     if msg.schema_version != SCHEMA_VERSION:
         return Problem("schema_version", f"schema_version: unsupported {msg.schema_version}, "
                                          f"the server speaks {SCHEMA_VERSION}")
@@ -76,7 +78,7 @@ def _check_ids(msg: pb2.Trajectory, limits: Limits) -> Problem | None:
     return None
 
 
-def _check_tokens(msg: pb2.Trajectory, limits: Limits) -> tuple[int, int, Problem | None]:
+def _check_tokens(msg: TrajectoryLike, limits: Limits) -> tuple[int, int, Problem | None]:
     i32, f32 = np.dtype("<i4"), np.dtype("<f4")
     prompt, bad = _packed(msg.prompt_tokens, i32, "prompt_tokens")
     if bad:
@@ -124,7 +126,7 @@ def _shape(field: str, shape, data: bytes, dtype: np.dtype, rows: int) -> Proble
     return None
 
 
-def _check_routing(msg: pb2.Trajectory, rows: int, limits: Limits) -> Problem | None:
+def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | None:
     num_experts = limits.num_experts
     logits_e = None
     if msg.HasField("router_logits"):
@@ -172,7 +174,7 @@ def _check_routing(msg: pb2.Trajectory, rows: int, limits: Limits) -> Problem | 
     return None
 
 
-def validate(msg: pb2.Trajectory, limits: Limits) -> Problem | None:
+def validate(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     """First problem found in ``msg`` (None when valid). Rows of routes/logits = P+N-1."""
     bad = _check_ids(msg, limits)
     if bad:

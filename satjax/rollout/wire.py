@@ -96,7 +96,9 @@ def from_proto(msg: pb2.Trajectory) -> Trajectory:
     routes = None
     if msg.HasField("routed_experts"):
         r = msg.routed_experts
-        routes = _array(r.data, ROUTE_DTYPES[r.dtype], tuple(r.shape)).astype(np.int32)
+        # one copy, straight into the int32 the trainer uses
+        routes = np.frombuffer(r.data, ROUTE_DTYPES[r.dtype]).reshape(tuple(r.shape)).astype(
+            np.int32)
     logits = None
     if msg.HasField("router_logits"):
         lg = msg.router_logits
