@@ -13,6 +13,7 @@ plus p50/p99 GetBatch latency.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -29,8 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from satjax.rollout.client import QueueClient  # noqa: E402
+from satjax.rollout.fastwire import encode  # noqa: E402
 from satjax.rollout.trajectory import Trajectory  # noqa: E402
-from satjax.rollout.wire import to_proto  # noqa: E402
 
 TOKEN = "bench-token"
 MB = 1 << 20
@@ -81,73 +82,92 @@ def free_port() -> int:
 
 
 def bench(args: argparse.Namespace, fsync: str) -> dict[str, float]:
-    msgs = [to_proto(make_traj(i, args.prompt, args.response, args.layers, args.topk,
-                               args.experts, args.group_size), num_experts=args.experts)
-            for i in range(args.batch)]
-    raws = [m.SerializeToString() for m in msgs]
+    trajs = [make_traj(i, args.prompt, args.response, args.layers, args.topk, args.experts,
+                       args.group_size) for i in range(args.batch)]
+    raws = [encode(t, num_experts=args.experts) for t in trajs]
     per_traj = sum(map(len, raws)) / len(raws)
     echo_blob = b"".join(raws)
-    data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-"))
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-", dir=args.data_dir))
     qport, eport = free_port(), free_port()
     queue = start([sys.executable, "-m", "satjax.cli", "serve-queue", "--port", str(qport),
                    "--data-dir", str(data_dir), "--fsync", fsync, "--max-message-mb", "256",
                    "--log-level", "WARNING", "--num-experts", str(args.experts)],
                   "listening on")
     echo = start([sys.executable, __file__, "--serve-echo", str(eport)], "echo listening")
-    client = QueueClient(f"127.0.0.1:{qport}", token=TOKEN, max_message_mb=256)
+    wire_client = QueueClient(f"127.0.0.1:{qport}", token=TOKEN, max_message_mb=256,
+                              compact_routes=True)
+    e2e_client = QueueClient(f"127.0.0.1:{qport}", token=TOKEN, max_message_mb=256,
+                             num_experts=args.experts)
     channel = grpc.insecure_channel(f"127.0.0.1:{eport}", options=OPTIONS)
     echo_call = channel.unary_unary("/bench.Echo/Echo")
     counter = [0]
 
-    def queue_cycle() -> None:
-        for m in msgs:  # fresh ids every round: the queue de-duplicates on them
-            m.trajectory_id = f"t{counter[0]}"
-            m.group_id = f"g{counter[0] // args.group_size}"
+    def fresh_ids() -> list[Trajectory]:  # the queue de-duplicates on trajectory_id
+        out = []
+        for t in trajs:
+            i = counter[0]
             counter[0] += 1
-        assert client.put(msgs).ok
-        batch = client.get_batch(args.batch, 0, max_lag=10)
+            out.append(dataclasses.replace(t, trajectory_id=f"t{i}",
+                                           group_id=f"g{i // args.group_size}"))
+        return out
+
+    def server_path_cycle() -> None:
+        """Pre-encoded bytes in, zero-copy views out: what the server and transport cost."""
+        assert wire_client.put(wire_batches.pop()).ok
+        batch = wire_client.get_batch(args.batch, 0, max_lag=10)
         assert len(batch.trajectories) == args.batch
-        client.ack(batch.cursor)
+        wire_client.ack(batch.cursor)
+
+    def end_to_end_cycle() -> None:
+        """Trajectory (int32 routes) in, Trajectory (int32 routes) out."""
+        assert e2e_client.put(fresh_ids()).ok
+        batch = e2e_client.get_batch(args.batch, 0, max_lag=10)
+        assert len(batch.trajectories) == args.batch
+        e2e_client.ack(batch.cursor)
 
     def echo_cycle() -> None:
         assert len(echo_call(echo_blob)) == len(echo_blob)
 
+    total_cycles = (args.repeats * args.rounds + 1)
+    wire_batches = [[encode(t, num_experts=args.experts) for t in fresh_ids()]
+                    for _ in range(total_cycles)]
+    cycles = {"server": server_path_cycle, "e2e": end_to_end_cycle, "echo": echo_cycle}
     try:
-        client.wait_ready(30)
-        queue_cycle(), echo_cycle()  # warm up
-        times: dict[str, list[float]] = {"queue": [], "echo": []}
-        for _ in range(args.repeats):  # interleaved so both see the same machine load
-            for name, fn in (("queue", queue_cycle), ("echo", echo_cycle)):
+        wire_client.wait_ready(30)
+        for fn in cycles.values():  # warm up
+            fn()
+        times: dict[str, list[float]] = {name: [] for name in cycles}
+        for _ in range(args.repeats):  # interleaved so all see the same machine load
+            for name, fn in cycles.items():
                 t0 = time.perf_counter()
                 for _ in range(args.rounds):
                     fn()
                 times[name].append(time.perf_counter() - t0)
         # GetBatch latency with data waiting in the queue
         for _ in range(args.latency_calls):
-            for m in msgs:
-                m.trajectory_id = f"t{counter[0]}"
-                m.group_id = f"g{counter[0] // args.group_size}"
-                counter[0] += 1
-            client.put(msgs)
+            wire_client.put([encode(t, num_experts=args.experts) for t in fresh_ids()])
         lat = []
         for _ in range(args.latency_calls):
             t0 = time.perf_counter()
-            b = client.get_batch(args.batch, 0, max_lag=10)
+            b = wire_client.get_batch(args.batch, 0, max_lag=10)
             lat.append(time.perf_counter() - t0)
-            client.ack(b.cursor)
+            wire_client.ack(b.cursor)
     finally:
-        client.close()
+        wire_client.close()
+        e2e_client.close()
         channel.close()
         for proc in (queue, echo):
             proc.terminate()
             proc.wait()
         shutil.rmtree(data_dir, ignore_errors=True)
     n = args.batch * args.rounds
-    q, e = float(np.median(times["queue"])), float(np.median(times["echo"]))
-    return {"traj_bytes": per_traj, "queue_tps": n / q, "echo_tps": n / e,
-            "queue_mbs": n * per_traj / q / MB, "echo_mbs": n * per_traj / e / MB,
-            "ratio": e / q, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
-            "p99_ms": 1e3 * float(np.percentile(lat, 99))}
+    med = {name: float(np.median(v)) for name, v in times.items()}
+    out = {"traj_bytes": per_traj, "p50_ms": 1e3 * float(np.percentile(lat, 50)),
+           "p99_ms": 1e3 * float(np.percentile(lat, 99))}
+    for name, sec in med.items():
+        out[f"{name}_tps"], out[f"{name}_mbs"] = n / sec, n * per_traj / sec / MB
+        out[f"{name}_ratio"] = med["echo"] / sec
+    return out
 
 
 def main() -> None:
@@ -164,20 +184,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency-calls", type=int, default=40)
     ap.add_argument("--fsync", default="always,never")
+    ap.add_argument("--data-dir", help="where the queue's log goes (default: a temp dir)")
     args = ap.parse_args()
     if args.serve_echo is not None:
         serve_echo(args.serve_echo)
         return
-    print(f"trajectory: P={args.prompt} N={args.response} routes {args.layers}x top-"
+    print(f"data dir under {args.data_dir or tempfile.gettempdir()}; "
+          f"trajectory: P={args.prompt} N={args.response} routes {args.layers}x top-"
           f"{args.topk} of {args.experts} experts; batch {args.batch}, "
           f"{args.rounds} rounds x {args.repeats} repeats (median)")
     for fsync in args.fsync.split(","):
         r = bench(args, fsync)
-        print(f"fsync={fsync:6s} traj {r['traj_bytes'] / 1024:.0f} KiB | "
-              f"queue put+get {r['queue_tps']:7.1f} traj/s {r['queue_mbs']:7.1f} MB/s | "
-              f"echo {r['echo_tps']:7.1f} traj/s {r['echo_mbs']:7.1f} MB/s | "
-              f"ratio {r['ratio']:.2f} (target >= 0.50) | GetBatch(n={args.batch}) "
-              f"p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms", flush=True)
+        print(f"fsync={fsync} (trajectory {r['traj_bytes'] / 1024:.0f} KiB on the wire)")
+        for name, label in (("echo", "raw gRPC echo, same bytes"),
+                            ("server", "queue put+get+ack, wire bytes in/out"),
+                            ("e2e", "queue put+get+ack, int32 Trajectory in/out")):
+            print(f"  {label:44s} {r[name + '_tps']:7.1f} traj/s {r[name + '_mbs']:7.1f} MB/s"
+                  f"  ratio to echo {r[name + '_ratio']:.2f}")
+        print(f"  GetBatch(n={args.batch}) latency p50 {r['p50_ms']:.1f} ms "
+              f"p99 {r['p99_ms']:.1f} ms   (target: server-path ratio >= 0.50)", flush=True)
 
 
 if __name__ == "__main__":

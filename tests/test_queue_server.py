@@ -477,3 +477,19 @@ def test_unavailable_is_retried_then_reported(tmp_path):
         server.stop(None)
         c.close()
         c2.close()
+
+
+def test_delivered_content_matches_put_from_cache_and_from_disk(harness):
+    from test_queue_wire import assert_same
+
+    h, client = harness(config=QueueConfig(cache_bytes=3000))  # cache holds only a few
+    sent = [make_traj(f"t{i}", f"g{i // 2}", group_size=2, seed=i, logits=True)
+            for i in range(8)]
+    client.put(sent)
+    first = client.get_batch(4, 0)
+    client = h.restart()  # the rest now come from the segment files
+    rest = client.get_batch(8, 0, redeliver_unacked=True)
+    got = {t.trajectory_id: t for t in first.trajectories + rest.trajectories}
+    assert len(rest.trajectories) == 8  # 4 unacked before the restart + 4 never delivered
+    for t in sent:
+        assert_same(t, got[t.trajectory_id])

@@ -57,6 +57,7 @@ class Entry:
     policy_version: int
     loc: Location
     state: State = State.PENDING
+    payload: bytes | None = None  # cached record bytes (see QueueConfig.cache_bytes)
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,6 +104,7 @@ class QueueConfig:
     max_pending: int = 100_000
     max_reply_bytes: int = 64 << 20
     dedup_window: int = 1_000_000
+    cache_bytes: int = 256 << 20  # recent payloads kept in memory: GetBatch skips the read
     limits: Limits = Limits()
 
 
@@ -126,6 +128,8 @@ class TrajectoryQueue:
         self._batches: dict[int, list[Entry]] = {}  # cursor -> delivered entries
         self._seg_ids: dict[int, list[str]] = {}    # segment -> trajectory ids in it
         self._waiting = 0
+        self._cache: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry holding payload
+        self._cache_size = 0
         self.counters: Counter[str] = Counter()
         last = self._consumer.watermark
         for seq, loc, payload in self._log.replay():
@@ -142,18 +146,32 @@ class TrajectoryQueue:
                  self._next_seq)
 
     # -- helpers (lock held) ----------------------------------------------------------------
-    def _index(self, seq: int, msg: TrajectoryView, loc: Location) -> None:
+    def _index(self, seq: int, msg: TrajectoryView, loc: Location,
+               payload: bytes | None = None) -> None:
         entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc)
         self._entries[seq] = entry
+        if payload is not None and len(payload) <= self.config.cache_bytes:
+            entry.payload = payload
+            self._cache[seq] = entry
+            self._cache_size += len(payload)
+            while self._cache_size > self.config.cache_bytes:
+                self._uncache(next(iter(self._cache)))
         group = self._groups.get(msg.group_id)
         if group is None:
             group = self._groups[msg.group_id] = Group(msg.group_id, msg.group_size,
                                                        msg.prompt_id)
         group.members.append(entry)
 
+    def _uncache(self, seq: int) -> None:
+        entry = self._cache.pop(seq, None)
+        if entry is not None and entry.payload is not None:
+            self._cache_size -= len(entry.payload)
+            entry.payload = None
+
     def _consume(self, entries: list[Entry]) -> None:
         for e in entries:
             self._entries.pop(e.seq, None)
+            self._uncache(e.seq)
             self._consumer.mark_done(e.seq)
             group = self._groups.get(e.group_id)
             if group is not None and all(m.seq not in self._entries for m in group.members):
@@ -233,10 +251,10 @@ class TrajectoryQueue:
                 seq0 = self._next_seq
                 locs = self._log.append(seq0, [raw for raw, _ in to_store])
                 self._next_seq += len(to_store)
-                for j, ((_, msg), loc) in enumerate(zip(to_store, locs, strict=True)):
+                for j, ((payload, msg), loc) in enumerate(zip(to_store, locs, strict=True)):
                     self._ids[msg.trajectory_id] = seq0 + j
                     self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
-                    self._index(seq0 + j, msg, loc)
+                    self._index(seq0 + j, msg, loc, payload)
                     result.accepted.append(msg.trajectory_id)
                 self._cond.notify_all()
             self.counters["accepted_total"] += len(to_store)
@@ -317,7 +335,8 @@ class TrajectoryQueue:
                     f"n: a batch of {n} trajectories is {size} bytes, over the max message "
                     f"size {self.config.max_reply_bytes}; lower n or raise --max-message-mb",
                     too_large=True)
-            payloads = [self._log.read(e.loc) for e in entries]
+            payloads = [e.payload if e.payload is not None else self._log.read(e.loc)
+                        for e in entries]
             for e in entries:
                 e.state = State.DELIVERED
             cursor = max((e.seq for e in entries), default=0)

@@ -266,6 +266,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--max-tokens", type=int, default=131072)
     p.add_argument("--segment-mb", type=float, default=64.0)
+    p.add_argument("--cache-mb", type=float, default=256.0,
+                   help="recent trajectories kept in memory for GetBatch")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -293,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                     vocab_size=args.vocab_size)
     config = QueueConfig(fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
                          max_lag_default=args.max_lag_default, future_slack=args.future_slack,
-                         max_pending=args.max_pending, limits=limits)
+                         max_pending=args.max_pending, limits=limits,
+                         cache_bytes=int(args.cache_mb * (1 << 20)))
     server = QueueServer(args.data_dir, token, config=config, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, max_message_mb=args.max_message_mb,
                          max_workers=args.workers)
