@@ -493,3 +493,19 @@ def test_delivered_content_matches_put_from_cache_and_from_disk(harness):
     assert len(rest.trajectories) == 8  # 4 unacked before the restart + 4 never delivered
     for t in sent:
         assert_same(t, got[t.trajectory_id])
+
+
+def test_put_batch_unary(harness):
+    h, client = harness()
+    bad = to_proto(make_traj("bad", "b"))
+    bad.behavior_logprobs = b""
+    request = pb2.PutBatchRequest(trajectories=[to_proto(make_traj("ok", "a")), bad])
+    channel = grpc.insecure_channel(f"127.0.0.1:{h.port}")
+    put_batch = channel.unary_unary("/satjax.rollout.v1.TrajectoryQueue/PutBatch",
+                                    request_serializer=pb2.PutBatchRequest.SerializeToString,
+                                    response_deserializer=pb2.PutReply.FromString)
+    reply = put_batch(request, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    channel.close()
+    assert list(reply.accepted_ids) == ["ok"]
+    assert [(r.index, r.field) for r in reply.rejections] == [(1, "behavior_logprobs")]
+    assert ids(client.get_batch(1, 0)) == ["ok"]

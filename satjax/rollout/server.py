@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from satjax.rollout._proto import pb2
-from satjax.rollout.fastwire import TrajectoryView, WireError, iter_fields
+from satjax.rollout.fastwire import TrajectoryView, WireError, _varint, iter_fields
 from satjax.rollout.queue_core import BatchResult, QueueConfig, QueueRequestError, TrajectoryQueue
 from satjax.rollout.store import FSYNC_POLICIES
 from satjax.rollout.validation import Limits
@@ -61,15 +61,6 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         kind = ("stream" if handler.request_streaming else "unary") + "_" + (
             "stream" if handler.response_streaming else "unary")
         return handler._replace(**{kind: deny})
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def encode_batch_reply(result: BatchResult) -> bytes:
