@@ -509,3 +509,24 @@ def test_put_batch_unary(harness):
     assert list(reply.accepted_ids) == ["ok"]
     assert [(r.index, r.field) for r in reply.rejections] == [(1, "behavior_logprobs")]
     assert ids(client.get_batch(1, 0)) == ["ok"]
+
+
+def test_stop_wakes_a_waiting_get_batch_with_unavailable(harness):
+    h, client = harness()
+    errors = []
+
+    def wait():
+        try:
+            client.get_batch(2, 0, timeout=20)
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    h.server.stop(grace=10)
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 5  # not after the grace
+    assert len(errors) == 1 and isinstance(errors[0], QueueUnavailableError)
+    h.server = None

@@ -44,6 +44,10 @@ class QueueRequestError(ValueError):
         self.too_large = too_large
 
 
+class QueueClosedError(RuntimeError):
+    """The queue is shutting down; the call may be retried against the restarted server."""
+
+
 class State(enum.Enum):
     PENDING = 0
     DELIVERED = 1
@@ -128,6 +132,7 @@ class TrajectoryQueue:
         self._batches: dict[int, list[Entry]] = {}  # cursor -> delivered entries
         self._seg_ids: dict[int, list[str]] = {}    # segment -> trajectory ids in it
         self._waiting = 0
+        self._closed = False
         self._cache: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry holding payload
         self._cache_size = 0
         self.counters: Counter[str] = Counter()
@@ -194,6 +199,10 @@ class TrajectoryQueue:
         # fsync=never: the rename alone survives a process crash (not a power cut)
         self._consumer.save(self._state_path, fsync=self.config.fsync != "never")
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosedError("queue is shutting down")
+
     def _max_lag(self, max_lag: int | None) -> int:
         return self.config.max_lag_default if max_lag is None else max_lag
 
@@ -224,6 +233,7 @@ class TrajectoryQueue:
         problems = [validate(msg, self.config.limits) for _, msg in items]
         result = PutResult([], [], [])
         with self._lock:
+            self._check_open()
             trainer_v = self._consumer.trainer_version
             newest = trainer_v + 1 + self.config.future_slack
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
@@ -304,6 +314,7 @@ class TrajectoryQueue:
             raise QueueRequestError(f"max_lag: must be >= 0, got {lag}")
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
+            self._check_open()
             if redeliver_unacked:
                 for entries in self._batches.values():
                     for e in entries:
@@ -324,6 +335,7 @@ class TrajectoryQueue:
                     if total == n or remaining <= 0:
                         break
                     self._cond.wait(remaining)
+                    self._check_open()
             finally:
                 self._waiting -= 1
             if total < n and not allow_partial:
@@ -354,6 +366,7 @@ class TrajectoryQueue:
     def ack(self, cursor: int) -> tuple[int, int]:
         """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""
         with self._lock:
+            self._check_open()
             done = [k for k in self._batches if k <= cursor]
             entries = [e for k in done for e in self._batches.pop(k)]
             self._consume(entries)
@@ -410,7 +423,14 @@ class TrajectoryQueue:
                 "next_seq": self._next_seq,
             }
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Refuses further calls and wakes waiting GetBatch calls (QueueClosedError)."""
         with self._lock:
+            self._closed = True
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """``shutdown`` and close the log (a call already writing finishes first)."""
+        self.shutdown()
+        with self._lock:
             self._log.close()

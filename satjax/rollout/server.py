@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hmac
 import logging
 import os
@@ -25,7 +26,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from satjax.rollout._proto import pb2
 from satjax.rollout.fastwire import TrajectoryView, WireError, _varint, iter_fields
-from satjax.rollout.queue_core import BatchResult, QueueConfig, QueueRequestError, TrajectoryQueue
+from satjax.rollout.queue_core import (
+    BatchResult,
+    QueueClosedError,
+    QueueConfig,
+    QueueRequestError,
+    TrajectoryQueue,
+)
 from satjax.rollout.store import FSYNC_POLICIES
 from satjax.rollout.validation import Limits
 
@@ -92,6 +99,19 @@ def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
                 if f == 1 and w == 2]
     except WireError:
         return [(raw, None)]
+
+
+def _guard(fn: Callable) -> Callable:
+    """Maps a closing queue to UNAVAILABLE, which clients retry (e.g. against a restart)."""
+
+    @functools.wraps(fn)
+    def wrapper(request, context):
+        try:
+            return fn(request, context)
+        except QueueClosedError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    return wrapper
 
 
 class QueueService:
@@ -163,15 +183,15 @@ class QueueService:
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable, request_cls, serializer=None):
             return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=request_cls.FromString,
+                _guard(fn), request_deserializer=request_cls.FromString,
                 response_serializer=serializer or (lambda m: m.SerializeToString()))
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Put": grpc.stream_unary_rpc_method_handler(
-                self.put, request_deserializer=_parse_item,
+                _guard(self.put), request_deserializer=_parse_item,
                 response_serializer=pb2.PutReply.SerializeToString),
             "PutBatch": grpc.unary_unary_rpc_method_handler(
-                self.put_batch, request_deserializer=_parse_put_batch,
+                _guard(self.put_batch), request_deserializer=_parse_put_batch,
                 response_serializer=pb2.PutReply.SerializeToString),
             "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, encode_batch_reply),
             "Ack": unary(self.ack, pb2.AckRequest),
@@ -232,7 +252,10 @@ class QueueServer:
         """Stops serving (in-flight calls get ``grace`` seconds), then closes the log."""
         if self._server is not None:
             self._health.enter_graceful_shutdown()
-            self._server.stop(grace).wait()
+            done = self._server.stop(grace)  # no new calls; in-flight ones get ``grace``
+            if self.queue is not None:
+                self.queue.shutdown()  # a GetBatch waiting for data returns UNAVAILABLE now
+            done.wait()
             self._server = None
         if self.queue is not None:
             self.queue.close()
