@@ -530,3 +530,16 @@ def test_stop_wakes_a_waiting_get_batch_with_unavailable(harness):
     assert not waiter.is_alive() and time.monotonic() - t0 < 5  # not after the grace
     assert len(errors) == 1 and isinstance(errors[0], QueueUnavailableError)
     h.server = None
+
+
+def test_client_streams_when_a_batch_exceeds_one_message(harness):
+    h, _ = harness()
+    client = h.client(max_message_mb=0.01)  # 10 KiB: 60 small trajectories need a stream
+    trajs = [make_traj(f"s{i}", f"s{i}", seed=i) for i in range(60)]
+    bad = to_proto(trajs[30])
+    bad.behavior_logprobs = np.full(5, 1.0, np.float32).tobytes()
+    sent = trajs[:30] + [bad] + trajs[31:]
+    assert sum(len(to_proto(t).SerializeToString()) for t in trajs) > 10 * 1024
+    result = client.put(sent)
+    assert [(r.index, r.field) for r in result.rejected] == [(30, "behavior_logprobs")]
+    assert len(result.accepted) == 59
