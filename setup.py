@@ -1,0 +1,33 @@
+"""Build hook: compiles satjax/rollout/trajectory.proto during build_py.
+
+Metadata lives in pyproject.toml; this file only adds the protoc step so that the
+generated trajectory_pb2*.py modules (never committed) ship in wheels and exist in
+editable installs. grpcio-tools is a build-system requirement. At run time
+satjax/rollout/_proto.py regenerates them if they are missing or stale.
+"""
+
+import os
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PROTO = "satjax/rollout/trajectory.proto"
+
+
+class BuildPyWithProto(build_py):
+    """build_py that first runs grpc_tools.protoc on the queue's .proto."""
+
+    def run(self):
+        from grpc_tools import protoc
+
+        root = os.path.dirname(os.path.abspath(__file__))
+        include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
+        rc = protoc.main(["grpc_tools.protoc", f"-I{root}", f"-I{include}",
+                          f"--python_out={root}", f"--grpc_python_out={root}",
+                          os.path.join(root, PROTO)])
+        if rc != 0:
+            raise RuntimeError(f"grpc_tools.protoc failed on {PROTO} (exit {rc})")
+        super().run()
+
+
+setup(cmdclass={"build_py": BuildPyWithProto})
