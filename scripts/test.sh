@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
-.venv/bin/python -m ruff check satjax tests benchmarks scripts
+.venv/bin/python -m ruff check satjax tests benchmarks scripts setup.py
 export XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
