@@ -241,20 +241,18 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
                                        address, "--worker-id", str(i)], env=env)
         bar = tqdm(total=cfg.train.steps, initial=trainer.step, desc="rl", disable=not progress)
         t_last = time.time()
+        first_batch = True  # after a restart, re-read what the lost steps had consumed
         try:
             while trainer.step < cfg.train.steps:
                 version = trainer.policy_version
                 got = None
-                while got is None:
+                while got is None or not got.trajectories:
                     procs.check_alive()
-                    try:
-                        got = client.get_batch(n_rows, trainer_version=version,
-                                               max_lag=cfg.train.max_lag, timeout=5.0)
-                    except Exception as e:  # timeout: nothing complete yet
-                        if type(e).__name__ != "QueueTimeoutError":
-                            raise
-                    if got is not None and not got.trajectories:
-                        got = None
+                    # An empty reply means fewer than n_rows fresh trajectories so far.
+                    got = client.get_batch(n_rows, trainer_version=version,
+                                           max_lag=cfg.train.max_lag, timeout=5.0,
+                                           redeliver_unacked=first_batch)
+                    first_batch = False
                 metrics = trainer.train_on(got.trajectories)
                 trainer.queue_cursor = got.cursor
                 metrics.update(lag_stats(version, got.trajectories))
