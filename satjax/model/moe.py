@@ -48,14 +48,6 @@ def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | N
     return experts, weights, top_i
 
 
-def _explicit_mesh_axes() -> bool:
-    """True inside ``jax.set_mesh`` with Explicit axes (ragged_dot then needs out_sharding)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return False
-    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-
 def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
                    w_down: Array) -> Array:
     """Dropless sorted dispatch. x [N, D]; experts/weights [N, k]; w_* [E, ...] -> [N, D]."""
@@ -66,16 +58,9 @@ def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
     inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]
-    kw = {}
-    if _explicit_mesh_axes():
-        # Explicit-axis meshes cannot infer ragged_dot output shardings: replicate.
-        rep = jax.sharding.PartitionSpec()
-        xs = jax.sharding.reshard(xs, rep)
-        w_gate, w_up, w_down = (jax.sharding.reshard(w, rep) for w in (w_gate, w_up, w_down))
-        kw = dict(out_sharding=rep)
-    g = jax.lax.ragged_dot(xs, w_gate, group_sizes, **kw)
-    u = jax.lax.ragged_dot(xs, w_up, group_sizes, **kw)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, group_sizes, **kw)
+    g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    u = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, group_sizes)
     y = y[inverse].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 

@@ -30,6 +30,14 @@ class ModelOutput:
     selected_experts: Array
 
 
+def _explicit_mesh_axes() -> bool:
+    """True inside ``jax.set_mesh`` with Explicit axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return False
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); then x + mlp(norm(x)) with a MoE or dense MLP."""
 
@@ -101,10 +109,36 @@ class Qwen3MoeForCausalLM(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
         elif tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
+        if _explicit_mesh_axes():
+            return self._call_auto_axes(input_ids, valid, positions, routing)
+        return self._full_forward(input_ids, valid, positions, routing)
+
+    def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
+                      routing: Array | None) -> ModelOutput:
+        t = input_ids.shape[1]
         slots = jnp.arange(t)
         mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
         out, _ = self._run(input_ids, positions, mask, routing, None, 0)
         return out
+
+    def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
+                        routing: Array | None) -> ModelOutput:
+        """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
+
+        Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
+        keep the batch/sequence sharding of ``input_ids``.
+        """
+        spec = tuple(jax.typeof(input_ids).sharding.spec)
+        spec = spec + (None,) * (2 - len(spec))
+        graphdef, state = nnx.split(self)
+
+        def body(state, input_ids, valid, positions, routing):
+            return nnx.merge(graphdef, state)._full_forward(input_ids, valid, positions, routing)
+
+        P = jax.sharding.PartitionSpec
+        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None))
+        return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
+            state, input_ids, valid, positions, routing)
 
     def forward_with_cache(self, input_ids: Array, positions: Array, kv_valid: Array,
                            cache: KVCache, cache_index: Array | int,
