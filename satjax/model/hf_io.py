@@ -1,0 +1,217 @@
+"""Import/export of Hugging Face ``Qwen3MoeForCausalLM`` checkpoints (config + safetensors).
+
+Export writes the classic per-expert hub layout (``mlp.experts.{j}.gate_proj.weight`` ...)
+that vLLM loads and transformers 5.x fuses on load. Import accepts both that layout and the
+fused transformers-5 layout (``mlp.experts.gate_up_proj`` [E, 2F, D], ``down_proj`` [E, D, F]).
+HF linear weights are [out, in]; satjax stores ``x @ W`` kernels, hence the transposes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from satjax.model.config import Qwen3MoeConfig
+from satjax.model.transformer import Qwen3MoeForCausalLM
+
+Path = tuple  # a path into the NNX graph, e.g. ("layers", 0, "self_attn", "q_proj")
+_SHARD_BYTES = 4 * 1024**3
+
+
+def _linear_entries(cfg: Qwen3MoeConfig) -> Iterator[tuple[str, Path, Callable, Callable]]:
+    """(hf name, satjax path, hf->satjax, satjax->hf) for every non-expert tensor."""
+    h, kv, hd, d = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                    cfg.hidden_size)
+    ident = (lambda w: w, lambda w: w)
+    transpose = (lambda w: w.T, lambda w: w.T)
+
+    def heads(n):  # [n*hd, d] <-> [d, n, hd]
+        return (lambda w: w.T.reshape(d, n, hd), lambda w: w.reshape(d, n * hd).T)
+
+    def head_bias(n):
+        return (lambda w: w.reshape(n, hd), lambda w: w.reshape(n * hd))
+
+    o_proj = (lambda w: w.T.reshape(h, hd, d), lambda w: w.reshape(h * hd, d).T)
+    yield ("model.embed_tokens.weight", ("embed_tokens",), *ident)
+    yield ("model.norm.weight", ("norm", "weight"), *ident)
+    if not cfg.tie_word_embeddings:
+        yield ("lm_head.weight", ("lm_head",), *transpose)
+    for i in range(cfg.num_hidden_layers):
+        p, lp = f"model.layers.{i}.", ("layers", i)
+        yield (p + "input_layernorm.weight", (*lp, "input_layernorm", "weight"), *ident)
+        yield (p + "post_attention_layernorm.weight",
+               (*lp, "post_attention_layernorm", "weight"), *ident)
+        a, ap = p + "self_attn.", (*lp, "self_attn")
+        yield (a + "q_proj.weight", (*ap, "q_proj"), *heads(h))
+        yield (a + "k_proj.weight", (*ap, "k_proj"), *heads(kv))
+        yield (a + "v_proj.weight", (*ap, "v_proj"), *heads(kv))
+        yield (a + "o_proj.weight", (*ap, "o_proj"), *o_proj)
+        yield (a + "q_norm.weight", (*ap, "q_norm", "weight"), *ident)
+        yield (a + "k_norm.weight", (*ap, "k_norm", "weight"), *ident)
+        if cfg.attention_bias:
+            yield (a + "q_proj.bias", (*ap, "q_bias"), *head_bias(h))
+            yield (a + "k_proj.bias", (*ap, "k_bias"), *head_bias(kv))
+            yield (a + "v_proj.bias", (*ap, "v_bias"), *head_bias(kv))
+            yield (a + "o_proj.bias", (*ap, "o_bias"), *ident)
+        m, mp = p + "mlp.", (*lp, "mlp")
+        if i in cfg.moe_layer_indices:
+            yield (m + "gate.weight", (*mp, "gate"), *transpose)
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield (m + f"{name}.weight", (*mp, name), *transpose)
+
+
+def _params_by_path(model: nnx.Module) -> dict[Path, nnx.Param]:
+    return {tuple(path): node for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Param)}
+
+
+class _TensorReader:
+    """Lazy reader over every ``*.safetensors`` file of a checkpoint directory."""
+
+    def __init__(self, path: str):
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"path {path!r} contains no *.safetensors files")
+        self._where: dict[str, str] = {}
+        for f in files:
+            with safe_open(f, framework="flax") as st:
+                for key in st.keys():
+                    self._where[key] = f
+        self.used: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, key: str) -> jax.Array:
+        if key not in self._where:
+            raise ValueError(f"checkpoint is missing tensor {key!r}")
+        self.used.add(key)
+        with safe_open(self._where[key], framework="flax") as st:
+            return st.get_tensor(key)
+
+
+def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[str, jax.Array]:
+    """Stacked [E, D, F] gate/up and [E, F, D] down of MoE layer i, either HF layout."""
+    p, f = f"model.layers.{i}.mlp.experts.", cfg.moe_intermediate_size
+    if p + "gate_up_proj" in reader:  # transformers-5 fused layout
+        gate_up = reader.get(p + "gate_up_proj")  # [E, 2F, D]
+        down = reader.get(p + "down_proj")  # [E, D, F]
+        return {"gate_proj": jnp.swapaxes(gate_up[:, :f], 1, 2),
+                "up_proj": jnp.swapaxes(gate_up[:, f:], 1, 2),
+                "down_proj": jnp.swapaxes(down, 1, 2)}
+    return {name: jnp.stack([reader.get(f"{p}{j}.{name}.weight").T
+                             for j in range(cfg.num_experts)])
+            for name in ("gate_proj", "up_proj", "down_proj")}
+
+
+def from_pretrained(path: str, dtype: jnp.dtype = jnp.float32, *,
+                    param_dtype: jnp.dtype | None = None,
+                    moe_impl: str = "ragged") -> Qwen3MoeForCausalLM:
+    """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
+
+    ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the storage dtype.
+    """
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"path {path!r} has no config.json")
+    with open(config_file) as fh:
+        hf = json.load(fh)
+    if hf.get("model_type") not in (None, "qwen3_moe"):
+        raise ValueError(f"model_type must be 'qwen3_moe', got {hf.get('model_type')!r}")
+    cfg = Qwen3MoeConfig.from_hf_dict(hf)
+    param_dtype = param_dtype or dtype
+    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
+        cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl))
+    params = _params_by_path(model)
+    reader = _TensorReader(path)
+    loaded: dict[Path, jax.Array] = {}
+    for hf_name, spath, to_jax, _ in _linear_entries(cfg):
+        loaded[spath] = to_jax(reader.get(hf_name))
+    for i in cfg.moe_layer_indices:
+        for name, value in _load_experts(reader, cfg, i).items():
+            loaded[("layers", i, "mlp", "experts", name)] = value
+    unexpected = reader.keys() - reader.used - ({"lm_head.weight"} if cfg.tie_word_embeddings
+                                                 else set())
+    if unexpected:
+        raise ValueError(f"checkpoint has unexpected tensors: {sorted(unexpected)[:10]}")
+    missing = set(params) - set(loaded)
+    if missing:
+        raise ValueError(f"no checkpoint tensor for parameters {sorted(missing)[:10]}")
+    for spath, value in loaded.items():
+        param = params[spath]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"tensor for {spath} has shape {value.shape}, expected "
+                             f"{param.shape}")
+        param.set_value(jnp.asarray(value, param_dtype))
+    return model
+
+
+def hf_state_dict(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
+    """HF per-expert tensor dict (host numpy; bf16 stays bf16 via ml_dtypes)."""
+    cfg = model.config
+    params = _params_by_path(model)
+
+    def host(p: Path) -> np.ndarray:
+        return np.asarray(jax.device_get(params[p][...]))
+
+    out: dict[str, np.ndarray] = {}
+    for hf_name, spath, _, to_hf in _linear_entries(cfg):
+        out[hf_name] = np.ascontiguousarray(to_hf(host(spath)))
+    for i in cfg.moe_layer_indices:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            stacked = host(("layers", i, "mlp", "experts", name))
+            for j in range(cfg.num_experts):
+                out[f"model.layers.{i}.mlp.experts.{j}.{name}.weight"] = (
+                    np.ascontiguousarray(stacked[j].T))
+    return out
+
+
+def save_pretrained(model: Qwen3MoeForCausalLM, path: str, *,
+                    max_shard_bytes: int = _SHARD_BYTES) -> None:
+    """Write config.json + model.safetensors (or index-json shards) loadable by HF/vLLM."""
+    os.makedirs(path, exist_ok=True)
+    tensors = hf_state_dict(model)
+    hf_cfg = model.config.to_hf_dict()
+    dtypes = {str(v.dtype) for v in tensors.values()}
+    hf_cfg["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(hf_cfg, fh, indent=2, sort_keys=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(_to_jnp(shards[0]), os.path.join(path, "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_to_jnp(shard), os.path.join(path, fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+             "weight_map": weight_map}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump(index, fh, indent=2)
+
+
+def _to_jnp(tensors: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    # safetensors.flax handles bfloat16, which the numpy backend does not.
+    return {k: jnp.asarray(v) for k, v in tensors.items()}

@@ -1,0 +1,121 @@
+"""Sparse MoE block (HF ``Qwen3MoeSparseMoeBlock``) with dropless batched expert dispatch.
+
+Routing: ``probs = softmax(x @ W_router)`` over all experts (float32), top-k by prob, gate
+weights renormalised over the k chosen experts iff ``norm_topk_prob``. With R3 replay the
+chosen experts come from ``routing`` and the gate weights are the model's own ``probs``
+gathered at them (renormalised the same way), so the router still receives gradients.
+
+Two dispatch implementations, both dropless (no capacity factor, no token is ever dropped),
+so replaying the model's own routes reproduces the non-replay forward exactly:
+
+* ``"ragged"`` (default): sort the N*k token-expert pairs by expert and run the three
+  expert matmuls with ``jax.lax.ragged_dot``; cost O(N*k). Under a GSPMD mesh with expert
+  weights sharded over an axis XLA all-gathers the expert weights (correct, not EP-optimal).
+* ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
+  for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
+  (each device computes its experts, one all-reduce combines).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from satjax.model.layers import make_param
+
+Array = jax.Array
+MOE_IMPLS = ("ragged", "dense_einsum")
+
+
+def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | None = None
+          ) -> tuple[Array, Array, Array]:
+    """Top-k routing from float32 logits [N, E].
+
+    Returns (experts used int32 [N, k], gate weights float32 [N, k], the router's own top-k
+    int32 [N, k] in descending-probability order). ``routing`` [N, k] replays given experts.
+    """
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, k)
+    top_i = top_i.astype(jnp.int32)
+    if routing is None:
+        experts, weights = top_i, top_p
+    else:
+        experts = routing.astype(jnp.int32)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts, weights, top_i
+
+
+def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                   w_down: Array) -> Array:
+    """Dropless sorted dispatch. x [N, D]; experts/weights [N, k]; w_* [E, ...] -> [N, D]."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[order // k]
+    g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    u = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, group_sizes)
+    y = y[inverse].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array,
+                         w_up: Array, w_down: Array) -> Array:
+    """All experts on all tokens, mixed by a dropless one-hot combine matrix -> [N, D]."""
+    num_experts = w_gate.shape[0]
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(experts, num_experts, dtype=x.dtype),
+                         weights.astype(x.dtype))
+    g = jnp.einsum("nd,edf->nef", x, w_gate)
+    u = jnp.einsum("nd,edf->nef", x, w_up)
+    y = jnp.einsum("nef,efd->ned", jax.nn.silu(g) * u, w_down)
+    return jnp.einsum("ned,ne->nd", y, combine)
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts stored stacked: gate/up [E, D, F], down [E, F, D]."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, param_dtype: jnp.dtype):
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        std = cfg.initializer_range
+        self.gate_proj = make_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"),
+                                    param_dtype, std=std)
+        self.up_proj = make_param(rngs, (e, d, f), ("experts", "embed", "expert_mlp"),
+                                  param_dtype, std=std)
+        self.down_proj = make_param(rngs, (e, f, d), ("experts", "expert_mlp", "embed"),
+                                    param_dtype, std=std)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router + experts. Returns (out [B, T, D], router logits f32 [B, T, E], top-k [B, T, k])."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
+                 moe_impl: str = "ragged"):
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+        self.gate = make_param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", None),
+                               param_dtype, std=cfg.initializer_range)
+        self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.moe_impl = moe_impl
+        self.dtype = dtype
+
+    def __call__(self, x: Array, routing: Array | None = None) -> tuple[Array, Array, Array]:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        logits = (flat @ self.gate[...].astype(self.dtype)).astype(jnp.float32)
+        flat_routing = None if routing is None else routing.reshape(b * t, self.top_k)
+        experts, weights, own = route(logits, self.top_k, self.norm_topk_prob, flat_routing)
+        weights = weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
+        ws = [p[...].astype(self.dtype) for p in
+              (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
+        fn = ragged_experts if self.moe_impl == "ragged" else dense_einsum_experts
+        out = fn(flat, experts, weights, *ws)
+        return (out.reshape(b, t, d), logits.reshape(b, t, -1),
+                own.reshape(b, t, self.top_k))

@@ -1,0 +1,207 @@
+"""Qwen3-MoE decoder-only causal LM in Flax NNX (HF ``Qwen3MoeForCausalLM`` layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from satjax.model.config import Qwen3MoeConfig
+from satjax.model.layers import Attention, DenseMLP, RMSNorm, make_param, rope_cos_sin
+from satjax.model.moe import SparseMoeBlock
+
+Array = jax.Array
+KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, S, Hkv, Dh]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """logits f32 [B, T, V]; router_logits f32 [B, T, L, E]; selected_experts i32 [B, T, L, k].
+
+    ``selected_experts`` is always the router's own top-k (descending prob), also under
+    replay, so engine-vs-trainer routing mismatch can be measured with replay on.
+    """
+
+    logits: Array
+    router_logits: Array
+    selected_experts: Array
+
+
+def _explicit_mesh_axes() -> bool:
+    """True inside ``jax.set_mesh`` with Explicit axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return False
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)); then x + mlp(norm(x)) with a MoE or dense MLP."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, *, rngs: nnx.Rngs,
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str):
+        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.is_moe = layer_idx in cfg.moe_layer_indices
+        if self.is_moe:
+            self.mlp = SparseMoeBlock(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                      moe_impl=moe_impl)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range,
+                                rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        norm = dict(dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+
+
+class Qwen3MoeForCausalLM(nnx.Module):
+    """Token embedding -> decoder layers -> RMSNorm -> LM head (tied or untied).
+
+    Args:
+      cfg: model configuration.
+      rngs: initialisation RNGs (weights ~ N(0, initializer_range), norms = 1).
+      dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
+      param_dtype: storage dtype of the parameters.
+      moe_impl: "ragged" (sorted dispatch + ragged_dot) or "dense_einsum" (see moe.py).
+    """
+
+    def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
+                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "ragged"):
+        self.config = cfg
+        self.dtype = dtype
+        std = cfg.initializer_range
+        self.embed_tokens = make_param(rngs, (cfg.vocab_size, cfg.hidden_size),
+                                       ("vocab", "embed"), param_dtype, std=std)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                         moe_impl=moe_impl)
+            for i in range(cfg.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
+                            param_dtype=param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size),
+                                      ("embed", "vocab"), param_dtype, std=std)
+
+    # ------------------------------------------------------------------------------------
+    def __call__(self, input_ids: Array, *, attention_mask: Array | None = None,
+                 positions: Array | None = None, routing: Array | None = None) -> ModelOutput:
+        """Full-sequence forward.
+
+        input_ids int32 [B, T]; attention_mask [B, T] (1 = real token; padding anywhere is
+        excluded as a key); positions int32 [B, T] (default cumsum(mask) - 1, clipped at 0);
+        routing int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
+        """
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        if attention_mask is None:
+            valid = jnp.ones((b, t), jnp.bool_)
+        else:
+            if tuple(attention_mask.shape) != (b, t):
+                raise ValueError(
+                    f"attention_mask must have shape {(b, t)}, got {attention_mask.shape}")
+            valid = jnp.asarray(attention_mask).astype(jnp.bool_)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
+        elif tuple(positions.shape) != (b, t):
+            raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
+        if _explicit_mesh_axes():
+            return self._call_auto_axes(input_ids, valid, positions, routing)
+        return self._full_forward(input_ids, valid, positions, routing)
+
+    def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
+                      routing: Array | None) -> ModelOutput:
+        t = input_ids.shape[1]
+        slots = jnp.arange(t)
+        mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
+        out, _ = self._run(input_ids, positions, mask, routing, None, 0)
+        return out
+
+    def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
+                        routing: Array | None) -> ModelOutput:
+        """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
+
+        Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
+        keep the batch/sequence sharding of ``input_ids``.
+        """
+        spec = tuple(jax.typeof(input_ids).sharding.spec)
+        spec = spec + (None,) * (2 - len(spec))
+        graphdef, state = nnx.split(self)
+
+        def body(state, input_ids, valid, positions, routing):
+            return nnx.merge(graphdef, state)._full_forward(input_ids, valid, positions, routing)
+
+        P = jax.sharding.PartitionSpec
+        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None))
+        return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
+            state, input_ids, valid, positions, routing)
+
+    def forward_with_cache(self, input_ids: Array, positions: Array, kv_valid: Array,
+                           cache: KVCache, cache_index: Array | int,
+                           routing: Array | None = None) -> tuple[ModelOutput, KVCache]:
+        """Incremental forward writing T new tokens at cache slots cache_index..+T-1.
+
+        kv_valid bool [B, S]: which cache slots hold real tokens (including the new ones).
+        A query at slot s attends slots <= s that are valid.
+        """
+        t = input_ids.shape[1]
+        s = cache[0][0].shape[1]
+        q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
+        mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
+        return self._run(input_ids, positions, mask, routing, cache, cache_index)
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
+        """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
+        cfg = self.config
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        dt = dtype or self.dtype
+        return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+                     for _ in range(cfg.num_hidden_layers))
+
+    # ------------------------------------------------------------------------------------
+    def _run(self, input_ids: Array, positions: Array, mask: Array, routing: Array | None,
+             cache: KVCache | None, cache_index: Array | int
+             ) -> tuple[ModelOutput, KVCache | None]:
+        cfg = self.config
+        b, t = input_ids.shape
+        n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
+        if routing is not None:
+            routing = jnp.asarray(routing)
+            if tuple(routing.shape) != (b, t, n_moe, k):
+                raise ValueError(
+                    f"routing must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
+                    f"got {routing.shape}")
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        router_logits, selected, new_cache = [], [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache[i]
+            h, layer_cache = layer.self_attn(layer.input_layernorm(x), cos, sin, mask,
+                                             layer_cache, cache_index)
+            new_cache.append(layer_cache)
+            x = x + h
+            h = layer.post_attention_layernorm(x)
+            if layer.is_moe:
+                replay = None if routing is None else routing[:, :, len(selected)]
+                h, logits, top = layer.mlp(h, replay)
+                router_logits.append(logits)
+                selected.append(top)
+            else:
+                h = layer.mlp(h)
+            x = x + h
+        x = self.norm(x)
+        if cfg.tie_word_embeddings:
+            logits = x @ self.embed_tokens[...].astype(self.dtype).T
+        else:
+            logits = x @ self.lm_head[...].astype(self.dtype)
+        if selected:
+            rl, se = jnp.stack(router_logits, axis=2), jnp.stack(selected, axis=2)
+        else:
+            rl = jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32)
+            se = jnp.zeros((b, t, 0, k), jnp.int32)
+        out = ModelOutput(logits.astype(jnp.float32), rl, se)
+        return out, (None if cache is None else tuple(new_cache))
