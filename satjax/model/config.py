@@ -85,10 +85,13 @@ class Qwen3MoeConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> Qwen3MoeConfig:
-        """The embedded default: small enough to train and sample on a CPU in minutes."""
+        """The embedded default: small enough to train and sample on a CPU in minutes.
+
+        ``head_dim=32`` because vLLM's CPU attention supports head sizes of 32 and up.
+        """
         base = dict(
             vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0,
             max_position_embeddings=512, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2, pad_token_id=0,
