@@ -154,6 +154,7 @@ def _from_order_key(key: Array, dtype: jnp.dtype) -> Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+@jax.jit
 def _kth_smallest(keys: Array, k: Array) -> Array:
     """Exact k-th smallest (0-based) of an integer key vector by bisection on the key space.
 
