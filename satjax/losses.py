@@ -139,9 +139,6 @@ def _masked_max(x: Array, valid: Array, neutral: float) -> Array:
     return jnp.max(jnp.where(valid, x, jnp.asarray(-jnp.inf, x.dtype)), initial=neutral)
 
 
-_SORT_MAX_SIZE = 8192  # above this many entries "auto" selects by bisection (faster on CPU)
-
-
 def _order_key(x: Array) -> Array:
     """Integer key with the same order as the float ``x`` (an involution on the bits)."""
     itype = jnp.int64 if x.dtype == jnp.float64 else jnp.int32
@@ -185,7 +182,9 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
       mask: 0/1 or bool array of ``x``'s shape; ``None`` means every entry is valid.
       method: "sort" (invalid entries pushed to +inf, the valid count indexes the sorted
         array), "bisect" (exact order statistics by bisection on the float bit pattern), or
-        "auto" (sort up to 8192 entries, else bisect). All three are exact.
+        "auto": bisect on the CPU backend (measured 3x faster than XLA's CPU sort at 256
+        entries, ~50x at 262k), sort on accelerators (fast device sorts; not measured
+        here). All are exact.
 
     Returns:
       scalar of ``x``'s (float) dtype; 0 when there is no valid entry.
@@ -205,7 +204,9 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     i1 = jnp.minimum(i0 + 1, last)
     frac = pos - i0.astype(dt)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
-    if method == "sort" or (method == "auto" and flat.size <= _SORT_MAX_SIZE):
+    if method == "auto":
+        method = "bisect" if jax.default_backend() == "cpu" else "sort"
+    if method == "sort":
         srt = jnp.sort(filled)
         v0, v1 = srt[i0], srt[i1]
     else:
