@@ -25,6 +25,8 @@ a fixed key set whatever the objective.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -300,19 +302,31 @@ def clipped_surrogate(ratio: Array, advantages: Array, lo: Array | float,
 
     All arguments broadcast together; returns their broadcast shape.
     """
-    return jnp.minimum(ratio * advantages, jnp.clip(ratio, lo, hi) * advantages)
+    # Same value and gradient as the min form, but A = 0 with r = inf gives 0, not nan.
+    return jnp.where(advantages >= 0, jnp.minimum(ratio, hi), jnp.maximum(ratio, lo)) * advantages
+
+
+def _ratio(log_ratio: Array) -> Array:
+    """exp of a log-ratio capped at half the dtype's overflow point (44 in float32).
+
+    The cap only bites on degenerate inputs (ratios above ~1e19), where it keeps the loss
+    and its gradient finite instead of inf/nan; there the gradient of the ratio is 0.
+    """
+    cap = 0.5 * float(np.log(jnp.finfo(log_ratio.dtype).max))
+    return jnp.exp(jnp.minimum(log_ratio, cap))
 
 
 # --------------------------------------------------------------------------- batch prep
 
 
-def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-             old_logprobs: Array | None, token_weights: Array | None) -> dict[str, Array]:
-    """Validate shapes/values and return masked, promoted arrays (see module docstring)."""
-    lp = jnp.asarray(logprobs)
-    if lp.ndim != 2:
-        raise ValueError(f"logprobs must have shape [B, T], got {lp.shape}")
-    b, t = lp.shape
+def _validate_batch(logprobs: Array, behavior_logprobs: Array, advantages: Array,
+                    mask: Array, old_logprobs: Array | None,
+                    token_weights: Array | None) -> None:
+    """Shape checks always; value checks (empty mask, nan/inf) only on concrete inputs."""
+    lp = logprobs
+    if jnp.ndim(lp) != 2:
+        raise ValueError(f"logprobs must have shape [B, T], got {jnp.shape(lp)}")
+    b, t = jnp.shape(lp)
     _check_shape("behavior_logprobs", behavior_logprobs, (b, t), "logprobs.shape")
     _check_shape("mask", mask, (b, t), "logprobs.shape")
     _check_shape("advantages", advantages, (b,), "[B]")
@@ -331,6 +345,14 @@ def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask:
     if token_weights is not None:
         _check_finite_where_valid("token_weights", token_weights, valid)
 
+
+def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+             old_logprobs: Array | None, token_weights: Array | None) -> dict[str, Array]:
+    """Masked, promoted arrays shared by every loss (see module docstring)."""
+    _validate_batch(logprobs, behavior_logprobs, advantages, mask, old_logprobs,
+                    token_weights)
+    lp = jnp.asarray(logprobs)
+    valid = jnp.asarray(mask).astype(bool)
     dt = _compute_dtype(lp)
     zero = jnp.zeros((), dt)
 
@@ -368,7 +390,7 @@ def _seq_mean(x: Array, p: Mapping[str, Array]) -> Array:
 def _kl_k3(p: Mapping[str, Array]) -> Array:
     """k3 estimate of KL(behaviour || current) on behaviour samples, masked token mean."""
     r = p["d_tok"]
-    return _masked_mean(jnp.expm1(r) - r, p["valid"])
+    return _masked_mean(_ratio(r) - 1.0 - r, p["valid"])
 
 
 def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
@@ -408,19 +430,59 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
     return {k: jax.lax.stop_gradient(aux[k]) for k in AUX_KEYS}
 
 
+# --------------------------------------------------------------------------- jit wrapper
+
+_HPARAM_RANGES: dict[str, dict[str, Any]] = {
+    "eps_low": {"low": 0.0},
+    "eps_high": {"low": 0.0},
+    "lam": {"low": 0.0, "high": 1.0},
+    "c": {"low": 0.0},
+    "w": {"low": 0.0, "low_open": True},
+    "quantile": {"low": 0.0, "high": 1.0},
+    "c_min": {"low": 0.0, "high": 1.0},
+}
+_HPARAM_CHOICES = {"kernel": KERNELS, "scale": SCALES, "proxy": PROXIES}
+
+
+def _jit_loss(impl):
+    """Validate eagerly (inputs and hyperparameters), then run ``impl`` under ``jax.jit``.
+
+    String hyperparameters are static; numbers are traced, so sweeping them does not
+    recompile. Inside an outer jit/grad the inner jit is simply inlined.
+    """
+    signature = inspect.signature(impl)
+    static = tuple(k for k in _HPARAM_CHOICES if k in signature.parameters)
+    jitted = jax.jit(impl, static_argnames=static)
+
+    @functools.wraps(impl)
+    def wrapper(*args: Any, **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+        given = signature.bind(*args, **kwargs).arguments
+        for name, value in given.items():
+            if name in _HPARAM_CHOICES:
+                _check_choice(name, value, _HPARAM_CHOICES[name])
+            elif name in _HPARAM_RANGES:
+                _check_hparam(name, value, **_HPARAM_RANGES[name])
+        _validate_batch(*(given.get(k) for k in ("logprobs", "behavior_logprobs",
+                                                 "advantages", "mask", "old_logprobs",
+                                                 "token_weights")))
+        return jitted(*args, **kwargs)
+
+    return wrapper
+
+
 # --------------------------------------------------------------------------- sequence level
 
 
 def _sequence_objective(p: Mapping[str, Array], lo: Array | float,
                         hi: Array | float) -> tuple[Array, Array]:
     """GSPO core: (loss, ratio [B]) with s_i = exp(mean_t log-ratio), bounds [B] or scalar."""
-    log_s = _seq_mean(p["log_ratio"], p)
-    s = jnp.exp(log_s)
+    s = _ratio(_seq_mean(p["log_ratio"], p))
     seq_w = _seq_mean(p["w"], p)
     j = clipped_surrogate(s, p["adv"], lo, hi) * seq_w
     return -_masked_mean(j, p["row_valid"]), s
 
 
+@_jit_loss
 def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
               eps_low: float, eps_high: float, old_logprobs: Array | None = None,
               token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
@@ -440,6 +502,7 @@ def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     return loss, aux
 
 
+@_jit_loss
 def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                   *, eps_low: float, eps_high: float, c: float = 1.0, w: float = 1.0,
                   lam: float = 1.0, kernel: str = "hill", quantile: float = 0.9,
@@ -479,6 +542,7 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     return loss, aux
 
 
+@_jit_loss
 def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array,
                     mask: Array, *, eps_low: float, eps_high: float,
                     old_logprobs: Array | None = None,
@@ -492,7 +556,7 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     dt = p["lp"].dtype
     lo, hi = 1.0 - jnp.asarray(eps_low, dt), 1.0 + jnp.asarray(eps_high, dt)
-    s = jnp.exp(_seq_mean(p["log_ratio"], p))
+    s = _ratio(_seq_mean(p["log_ratio"], p))
     s_tok = jax.lax.stop_gradient(s)[:, None] * jnp.exp(
         p["lp"] - jax.lax.stop_gradient(p["lp"]))
     j = clipped_surrogate(s_tok, p["adv"][:, None], lo, hi) * p["w"]
@@ -509,11 +573,12 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
 def _token_terms(p: Mapping[str, Array], lo: Array | float,
                  hi: Array | float) -> tuple[Array, Array]:
     """Per-token weighted surrogate [B, T] (0 at invalid tokens) and the token ratio."""
-    r = jnp.exp(p["log_ratio"])
+    r = _ratio(p["log_ratio"])
     j = clipped_surrogate(r, p["adv"][:, None], lo, hi) * p["w"] * p["vf"]
     return j, r
 
 
+@_jit_loss
 def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                   *, eps_low: float, eps_high: float, old_logprobs: Array | None = None,
                   token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
@@ -533,6 +598,7 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     return loss, aux
 
 
+@_jit_loss
 def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
               eps_low: float, eps_high: float, old_logprobs: Array | None = None,
               token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
@@ -554,6 +620,7 @@ def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     return loss, aux
 
 
+@_jit_loss
 def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                  *, eps_low: float, eps_high: float, c: float = 1.0, w: float = 1.0,
                  lam: float = 1.0, kernel: str = "hill", quantile: float = 0.9,
