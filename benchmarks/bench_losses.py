@@ -8,8 +8,15 @@ Target: SAT-GSPO (sequence proxy) within 5% of GSPO.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+
+if "--multi-thread" not in sys.argv:  # one XLA thread: steadier figures on a shared host
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1").strip()
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +52,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--inner", type=int, default=5, help="calls per timed sample")
+    ap.add_argument("--multi-thread", action="store_true", help="let XLA use all cores")
     args = ap.parse_args()
     batch = make_batch(args.batch, args.length)
     variants = {
@@ -60,15 +68,19 @@ def main() -> None:
     for fn in variants.values():  # compile + warm up
         jax.block_until_ready(fn(*batch))
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.repeats):  # interleaved so load drift hits every variant alike
-        for name, fn in variants.items():
+    names = list(variants)
+    for rep in range(args.repeats):  # interleaved (and rotated) so load drift hits all alike
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = variants[name]
             t0 = time.perf_counter()
             for _ in range(args.inner):
                 out = fn(*batch)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / args.inner)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"B={args.batch} T={args.length} float32, backend={jax.default_backend()}, "
+    threads = "multi" if args.multi_thread else "single"
+    print(f"B={args.batch} T={args.length} float32, backend={jax.default_backend()} "
+          f"({threads}-threaded), "
           f"median of {args.repeats}x{args.inner} interleaved calls (loss + grad, jitted)")
     for name, m in med.items():
         base = med["ppo_clip"] if name.startswith("sat_ppo") else med["gspo"]
