@@ -101,6 +101,8 @@ def test_tis_and_mis_wiring(old):
                                   eps_high=4e-4, **old_kw)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
     assert 0.0 <= float(aux["is_kept_frac"]) <= 1.0
+    if old:
+        return
     # Without old_logprobs, the IS weights must not carry gradient (current lp detached).
     g_tis = jax.grad(lambda x: objectives.ppo_clip(is_correction="tis", is_threshold=1e9)(
         x, batch)[0])(lp)
