@@ -7,6 +7,8 @@ axis names) keeps the trainer tests meaningful on a branch without the model pac
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from flax import nnx
 from satjax import parallel
 from satjax.train.batch import Batch
 from satjax.train.state import TrainState
+from satjax.train.step import make_train_step
 
 try:  # the real model (INTERFACES.md)
     from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -94,3 +97,32 @@ def synthetic_batch(
 def host(tree):
     """Tree of numpy copies (for comparisons that survive donation)."""
     return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+# Compiled steps are cached per (mesh shape, options) and reused with fresh states by all
+# test files, to keep the number of XLA compilations (the cost of these tests) small.
+LR_SCHEDULE = lambda count: 0.1 / (1.0 + count)  # noqa: E731
+
+
+@functools.cache
+def mesh_of(shape):
+    if shape == (1, 1, 1, 1):
+        return single_device_mesh()
+    return parallel.make_mesh(parallel.MeshConfig(*shape))
+
+
+@functools.cache
+def cached_step(shape=(1, 1, 1, 1), **kw):
+    graphdef, state = nnx.split(make_state(0))
+    return make_train_step(graphdef, state, mesh=mesh_of(shape), lr_schedule=LR_SCHEDULE, **kw)
+
+
+def run_steps(batches, shape=(1, 1, 1, 1), **kw):
+    """Runs a fresh state (seed 0) through ``batches``; returns (host state, host metrics)."""
+    step = cached_step(shape, **kw)
+    state = step.place_state(nnx.split(make_state(0))[1])
+    metrics = []
+    for b in batches:
+        state, m = step(state, step.place_batch(b))
+        metrics.append(host(m))
+    return host(state), metrics

@@ -17,7 +17,7 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, value in metrics.items():
         arr = np.asarray(value)
-        if arr.size == 1 and np.issubdtype(arr.dtype, np.number | np.bool_):
+        if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
             out[name] = float(arr.reshape(()))
     return out
 

@@ -183,7 +183,7 @@ class TrainStep:
         advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
         grads, loss, oaux, raux = self._grads(ts.model, batch, advantages)
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if self.max_grad_norm is not None:
             clip = optax.clip_by_global_norm(self.max_grad_norm)
             grads, _ = clip.update(grads, clip.init(grads))
