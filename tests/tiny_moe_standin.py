@@ -63,7 +63,7 @@ class MoeLayer(nnx.Module):
         combine = jnp.einsum("btke,btk->bte", jax.nn.one_hot(experts, probs.shape[-1]), w)
         y = jnp.einsum("btd,edf->btef", h, self.w_in[...])
         y = jnp.einsum("btef,efd->bted", jax.nn.silu(y), self.w_out[...])
-        return h + jnp.einsum("bted,bte->btd", y, combine), logits, experts
+        return h + jnp.einsum("bted,bte->btd", y, combine), logits, own
 
 
 class TinyMoeLM(nnx.Module):
@@ -81,11 +81,9 @@ class TinyMoeLM(nnx.Module):
         x = self.embed[...][input_ids]
         rl, sel = [], []
         for i, layer in enumerate(self.layers):
-            x, logits, experts = layer(
-                x, attention_mask, None if routing is None else routing[:, :, i]
-            )
+            x, logits, own = layer(x, attention_mask, None if routing is None else routing[:, :, i])
             rl.append(logits)
-            sel.append(experts)
+            sel.append(own)
         x = x * self.norm[...]
         return Output(
             logits=x @ self.embed[...].T,

@@ -51,8 +51,15 @@ def num_moe_layers() -> int:
     return len(tiny_config().moe_layer_indices)
 
 
-def make_state(seed: int = 0, lr: float = 1e-2) -> TrainState:
-    return TrainState(tiny_model(seed), optax.adam(lr), seed=seed)
+def lr_schedule(count):
+    return 0.1 / (1.0 + count)
+
+
+def make_state(seed: int = 0) -> TrainState:
+    # SGD with momentum: the update is linear in the gradient, so parameter comparisons
+    # across meshes test gradient equality (Adam's g/sqrt(v) amplifies float noise in
+    # near-zero gradients far beyond fp32 rounding).
+    return TrainState(tiny_model(seed), optax.sgd(lr_schedule, momentum=0.9), seed=seed)
 
 
 def single_device_mesh():
@@ -101,7 +108,6 @@ def host(tree):
 
 # Compiled steps are cached per (mesh shape, options) and reused with fresh states by all
 # test files, to keep the number of XLA compilations (the cost of these tests) small.
-LR_SCHEDULE = lambda count: 0.1 / (1.0 + count)  # noqa: E731
 
 
 @functools.cache
@@ -114,7 +120,7 @@ def mesh_of(shape):
 @functools.cache
 def cached_step(shape=(1, 1, 1, 1), **kw):
     graphdef, state = nnx.split(make_state(0))
-    return make_train_step(graphdef, state, mesh=mesh_of(shape), lr_schedule=LR_SCHEDULE, **kw)
+    return make_train_step(graphdef, state, mesh=mesh_of(shape), lr_schedule=lr_schedule, **kw)
 
 
 def run_steps(batches, shape=(1, 1, 1, 1), **kw):

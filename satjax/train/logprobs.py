@@ -46,8 +46,9 @@ def token_logprobs(
 
     Returns:
       logprobs [B,T] float32: ``log p(tokens[t] | tokens[<t])``, 0 at t=0 and on padding.
-      aux: ``selected_experts`` [B,T,L,k] (experts actually used), ``router_topk``
-        [B,T,L,k] (the trainer router's own top-k), and when routes are present
+      aux: ``selected_experts`` [B,T,L,k] (experts actually used: the replayed routes
+        under replay, else the router's choice), ``router_topk`` [B,T,L,k] (the trainer
+        router's own top-k, the model's ``selected_experts`` output), and when routes are present
         ``router_mismatch`` / ``router_mismatch_any_layer`` (the trainer router's own
         top-k vs the engine routes: what replay corrects) and
         ``router_mismatch_applied`` (experts used vs engine routes: 0 under replay).
@@ -56,10 +57,10 @@ def token_logprobs(
     out = model(batch.tokens, attention_mask=batch.attention_mask, routing=routing)
     lp = gather_token_logprobs(out.logits, batch.tokens, temperature)
     lp = lp * batch.attention_mask.astype(lp.dtype)
-    k = out.selected_experts.shape[-1]
+    own = out.selected_experts  # the trainer router's own top-k (INTERFACES.md)
     aux: dict[str, jax.Array] = {
-        "selected_experts": out.selected_experts,
-        "router_topk": jax.lax.top_k(out.router_logits, k)[1],
+        "selected_experts": own if routing is None else routing.astype(own.dtype),
+        "router_topk": own,
     }
     aux.update(router_metrics(aux["router_topk"], aux["selected_experts"], batch))
     return lp, aux
