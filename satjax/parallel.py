@@ -1,0 +1,264 @@
+"""Device mesh, logical-axis rules and shardings for the trainer.
+
+The mesh has four named axes (``MESH_AXES``):
+
+- ``data``   plain data parallelism (replicated parameters);
+- ``fsdp``   data parallelism with parameters sharded over their ``embed`` dimension;
+- ``expert`` expert parallelism: MoE expert weights sharded over their ``experts``
+  dimension, the batch sharded over it too so no device idles;
+- ``tensor`` tensor parallelism over heads / MLP / vocabulary.
+
+Model parameters carry *logical* axis names in their Flax NNX ``out_sharding`` metadata
+(see INTERFACES.md). ``LOGICAL_RULES`` maps each logical name to mesh axes. A dimension
+whose size is not divisible by the mesh axes it maps to drops axes from the end of its
+rule until it is (down to full replication), so odd shapes never crash sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+
+LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
+
+# logical name -> mesh axes it is sharded over (in order of preference; empty = replicated)
+LOGICAL_RULES: LogicalRules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", ()),
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("q_heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("mlp", ("tensor",)),
+    ("experts", ("expert",)),
+    ("expert_mlp", ("tensor",)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; their product must equal the device count."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeshConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.expert, self.tensor)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def validate(self, num_devices: int) -> None:
+        """Raises ValueError unless data*fsdp*expert*tensor == num_devices."""
+        if self.size != num_devices:
+            raise ValueError(
+                f"MeshConfig {dict(zip(MESH_AXES, self.shape, strict=True))} has "
+                f"data*fsdp*expert*tensor = {self.size} but there are {num_devices} devices; "
+                "the product of the mesh axes must equal the device count"
+            )
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a ``Mesh`` with axes ("data", "fsdp", "expert", "tensor").
+
+    Axes are ``Auto`` (GSPMD propagates shardings), so model code needs no explicit
+    sharding annotations.
+    """
+    if devices is None:
+        devices = jax.devices()
+    devices = list(devices)
+    cfg.validate(len(devices))
+    try:  # topology-aware device order on TPU/GPU; falls back to the given order
+        grid = mesh_utils.create_device_mesh(cfg.shape, devices=devices)
+    except Exception:  # noqa: BLE001 - any failure just means "use the plain order"
+        grid = np.asarray(devices, dtype=object).reshape(cfg.shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _rule_table(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
+    table: dict[str, tuple[str, ...]] = {}
+    for name, axes in rules:
+        table[name] = (axes,) if isinstance(axes, str) else tuple(axes)
+    return table
+
+
+def logical_to_spec(
+    names: Sequence[str | None] | None,
+    shape: Sequence[int],
+    mesh: Mesh,
+    rules: LogicalRules = LOGICAL_RULES,
+) -> PartitionSpec:
+    """PartitionSpec for an array of ``shape`` whose dims have logical ``names``.
+
+    Per dim: take the rule's mesh axes, skip size-1 axes and axes already used by an
+    earlier dim, then drop axes from the end until the dim size is divisible by their
+    product (replicating the dim if none fit). Unknown logical names raise ValueError.
+    """
+    if not names:
+        return PartitionSpec()
+    if len(names) != len(shape):
+        raise ValueError(f"names {tuple(names)} do not match shape {tuple(shape)} in rank")
+    table = _rule_table(rules)
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, size in zip(names, shape, strict=True):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"unknown logical axis name {name!r}; known: {sorted(table)}")
+        wanted = [a for a in table[name] if mesh.shape[a] > 1 and a not in used]
+        axes = list(wanted)
+        while axes and size % math.prod(mesh.shape[a] for a in axes) != 0:
+            axes.pop()
+        if axes != wanted:
+            log.debug("dim %r of size %d: %s not divisible, using %s", name, size, wanted, axes)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def _logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    meta = var.get_metadata()
+    names = meta.get("out_sharding")
+    if names is None:
+        return None
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    return tuple(names)
+
+
+def state_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) -> Any:
+    """NamedShardings for every array in an NNX State / Module (params, optimizer state, ...).
+
+    Returns a tree of the same structure as ``nnx.state(tree)`` (Variables keep their
+    metadata, their value becomes a ``NamedSharding``) usable as ``jax.jit`` in/out
+    shardings. Variables without logical names, and plain arrays, are replicated.
+    """
+    if isinstance(tree, nnx.Module | nnx.Pytree):
+        tree = nnx.state(tree)
+
+    def one(x: Any) -> Any:
+        if isinstance(x, nnx.Variable):
+            value = x.get_value()
+            names = _logical_names(x)
+            shape = getattr(value, "shape", ())
+            if names is not None and len(names) != len(shape):
+                names = None  # e.g. a scalar optimizer count that inherited metadata
+            return x.replace(NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules)))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+param_shardings = state_shardings  # INTERFACES.md name; works on a model or any NNX state
+
+
+def optimizer_shardings(optimizer: nnx.Optimizer, mesh: Mesh) -> Any:
+    """Shardings of an ``nnx.Optimizer``'s state: moments follow their parameters."""
+    return state_shardings(nnx.state(optimizer), mesh)
+
+
+# logical names of each Batch field (leading dim is always the batch)
+BATCH_FIELD_NAMES: dict[str, tuple[str | None, ...]] = {
+    "tokens": ("batch", "length"),
+    "attention_mask": ("batch", "length"),
+    "loss_mask": ("batch", "length"),
+    "behavior_logprobs": ("batch", "length"),
+    "rewards": ("batch",),
+    "advantages": ("batch",),
+    "group_ids": ("batch",),
+    "policy_versions": ("batch",),
+    "routes": ("batch", "length", None, None),
+}
+
+
+def batch_sharding(mesh: Mesh, batch: Any, rules: LogicalRules = LOGICAL_RULES) -> Any:
+    """NamedShardings for a batch pytree: leading dim over the batch axes, rest replicated.
+
+    ``batch`` may be a ``satjax.train.Batch`` (fields named in ``BATCH_FIELD_NAMES``), a
+    dict, or any pytree of arrays; an array whose batch size does not divide the batch
+    axes falls back to fewer axes / replication.
+    """
+
+    def one(path: tuple[Any, ...], x: Any) -> NamedSharding:
+        shape = np.shape(x)
+        if not shape:
+            return NamedSharding(mesh, PartitionSpec())
+        names = ("batch",) + (None,) * (len(shape) - 1)
+        return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def data_parallel_size(mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) -> int:
+    """How many ways the batch dimension is split (B should be a multiple of this)."""
+    return math.prod(mesh.shape[a] for a in _rule_table(rules)["batch"])
+
+
+def shard_like(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put`` of a tree onto a matching tree of shardings."""
+    return jax.device_put(tree, shardings)
+
+
+def init_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    *,
+    initialize: Callable[..., None] | None = None,
+) -> None:
+    """Multi-host setup: a thin wrapper around ``jax.distributed.initialize``.
+
+    On a TPU slice (and on SLURM / Open MPI GPU clusters) call it with no arguments:
+    JAX discovers the coordinator and process ids from the environment. On a bare
+    multi-node GPU setup pass ``coordinator_address="host0:1234"``, ``num_processes``,
+    and ``process_id`` (see docs/parallel.md). Single-process runs (one process, one or
+    more local devices) need no call; ``num_processes == 1`` is a no-op.
+    """
+    if num_processes == 1:
+        return
+    init = initialize or jax.distributed.initialize
+    kwargs: dict[str, Any] = {}
+    if coordinator_address is not None:
+        kwargs["coordinator_address"] = coordinator_address
+    if num_processes is not None:
+        kwargs["num_processes"] = num_processes
+    if process_id is not None:
+        kwargs["process_id"] = process_id
+    if local_device_ids is not None:
+        kwargs["local_device_ids"] = list(local_device_ids)
+    init(**kwargs)
+    log.info(
+        "jax.distributed initialised: process %d of %d, %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.device_count(),
+    )

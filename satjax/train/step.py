@@ -1,0 +1,284 @@
+"""The jitted, mesh-sharded RL train step.
+
+One step: recompute the batch's token log-probs under the current weights (replaying the
+engine's routes when configured), compute group advantages, apply the configured objective
+(SAT-GSPO by default), take the gradient, clip it by global norm, apply the optimizer.
+
+Gradient accumulation is *exact* for every objective, including those with batch-level
+statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
+through the per-token log-probs, so
+
+  1. a forward-only pass over the micro-batches gives the full-batch log-probs ``lp``;
+  2. the objective's gradient ``g = dL/dlp`` is taken on the whole batch at once;
+  3. a second pass pulls ``g`` back through each micro-batch (``jax.vjp``) and sums.
+
+This costs one extra forward pass per micro-batch when ``grad_accum > 1``; with
+``grad_accum == 1`` the step is a single ``value_and_grad``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from satjax import losses, objectives, parallel
+from satjax.train.batch import Batch
+from satjax.train.logprobs import router_metrics, token_logprobs
+
+log = logging.getLogger(__name__)
+
+Metrics = dict[str, jax.Array]
+
+
+def batch_advantages(batch: Batch, *, normalize_std: bool = True) -> jax.Array:
+    """[B] advantages: precomputed ones if present, else group-normalised rewards."""
+    if batch.advantages is not None:
+        return batch.advantages.astype(jnp.float32)
+    return losses.group_advantages(
+        batch.rewards.astype(jnp.float32), batch.group_size, normalize_std=normalize_std
+    )
+
+
+def _split_micro(x: jax.Array, num: int) -> jax.Array:
+    """[B, ...] -> [num, B/num, ...]; micro-batch i holds rows i, i+num, ... (strided, so
+    a batch sharded in contiguous blocks over devices stays sharded without moving data)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // num, num, *x.shape[1:]), 0, 1)
+
+
+def _merge_micro(x: jax.Array) -> jax.Array:
+    """Inverse of ``_split_micro``."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+class TrainStep:
+    """Callable ``(state, batch) -> (state, metrics)``; ``state`` is donated.
+
+    ``state`` is ``nnx.split(train_state)[1]`` laid out with ``state_shardings``; use
+    ``place_state`` / ``place_batch`` to put host values on the mesh. One jitted function
+    is built per distinct batch layout; ``num_compilations`` counts traces (each new
+    (B, T) shape or batch structure traces and compiles once).
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        *,
+        mesh: Mesh,
+        objective: str = "sat_gspo",
+        objective_hp: Mapping[str, Any] | None = None,
+        replay: bool = True,
+        grad_accum: int = 1,
+        max_grad_norm: float | None = 1.0,
+        temperature: float = 1.0,
+        lr_schedule: optax.Schedule | None = None,
+        normalize_adv_std: bool = True,
+        donate: bool = True,
+    ) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.objective_name = objective
+        self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
+        self.replay = replay
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        self.lr_schedule = lr_schedule
+        self.normalize_adv_std = normalize_adv_std
+        self.donate = donate
+        self.state_shardings = parallel.state_shardings(state, mesh)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.num_compilations = 0
+        self.traced_shapes: list[tuple[int, int]] = []
+        self._jitted: dict[Any, Callable[..., Any]] = {}
+
+    # -- placement ------------------------------------------------------------------
+    def place_state(self, state: nnx.State) -> nnx.State:
+        return jax.device_put(state, self.state_shardings)
+
+    def batch_shardings(self, batch: Batch) -> Any:
+        return parallel.batch_sharding(self.mesh, batch)
+
+    def place_batch(self, batch: Batch) -> Batch:
+        return jax.device_put(batch, self.batch_shardings(batch))
+
+    # -- the step ---------------------------------------------------------------------
+    def _grads(
+        self, model: nnx.Module, batch: Batch, advantages: jax.Array
+    ) -> tuple[Any, jax.Array, Metrics, Metrics]:
+        """(grads over nnx.Param, loss, objective aux, router aux)."""
+        gdm, params, rest = nnx.split(model, nnx.Param, ...)
+        obj_batch = {
+            "behavior_logprobs": batch.behavior_logprobs.astype(jnp.float32),
+            "advantages": advantages,
+            "mask": batch.loss_mask.astype(jnp.float32),
+        }
+
+        def logprobs_of(p: nnx.State, mb: Batch) -> tuple[jax.Array, Metrics]:
+            m = nnx.merge(gdm, p, rest)
+            return token_logprobs(m, mb, replay=self.replay, temperature=self.temperature)
+
+        def route_aux(raux: Metrics, full: Batch) -> Metrics:
+            return router_metrics(raux["router_topk"], raux["selected_experts"], full)
+
+        A = self.grad_accum
+        if A == 1:
+
+            def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
+                lp, raux = logprobs_of(p, batch)
+                loss, oaux = self.objective_fn(lp, obj_batch)
+                return loss, (oaux, route_aux(raux, batch))
+
+            (loss, (oaux, raux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            return grads, loss, oaux, raux
+
+        B = batch.tokens.shape[0]
+        if B % A:
+            raise ValueError(f"batch size {B} is not divisible by grad_accum={A}")
+        micro = jax.tree.map(lambda x: _split_micro(x, A), batch)
+
+        def forward(mb: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+            lp, raux = logprobs_of(params, mb)
+            return lp, raux["router_topk"], raux["selected_experts"]
+
+        lp_m, topk_m, sel_m = jax.lax.map(forward, micro)
+        lp_full = _merge_micro(lp_m)
+        (loss, oaux), g_lp = jax.value_and_grad(
+            lambda lp: self.objective_fn(lp, obj_batch), has_aux=True
+        )(lp_full)
+        raux = router_metrics(_merge_micro(topk_m), _merge_micro(sel_m), batch)
+        g_micro = _split_micro(g_lp, A)
+
+        def pull_back(acc: nnx.State, xs: tuple[Batch, jax.Array]) -> tuple[nnx.State, None]:
+            mb, g = xs
+            _, vjp = jax.vjp(lambda p: logprobs_of(p, mb)[0], params)
+            (gp,) = vjp(g)
+            return jax.tree.map(jnp.add, acc, gp), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, _ = jax.lax.scan(pull_back, zeros, (micro, g_micro))
+        return grads, loss, oaux, raux
+
+    def _step(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Metrics]:
+        # Python side effect: runs once per trace, i.e. once per compilation.
+        self.num_compilations += 1
+        self.traced_shapes.append(tuple(batch.tokens.shape))
+        log.info(
+            "train step compile #%d for batch shape %s", self.num_compilations, batch.tokens.shape
+        )
+        ts = nnx.merge(self.graphdef, state)
+        advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
+        grads, loss, oaux, raux = self._grads(ts.model, batch, advantages)
+
+        grad_norm = optax.tree.norm(grads)
+        if self.max_grad_norm is not None:
+            clip = optax.clip_by_global_norm(self.max_grad_norm)
+            grads, _ = clip.update(grads, clip.init(grads))
+        opt_step = ts.optimizer.step[...]
+        ts.optimizer.update(ts.model, grads)
+        ts.step[...] += 1
+        ts.policy_version[...] += 1
+        ts.next_rng()
+
+        valid_rows = jnp.any(batch.loss_mask > 0, axis=-1)
+        n_rows = jnp.maximum(jnp.sum(valid_rows), 1)
+        lag = (ts.policy_version[...] - 1 - batch.policy_versions).astype(jnp.float32)
+        metrics: Metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
+            "sequences": jnp.sum(valid_rows).astype(jnp.float32),
+            "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
+            "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * valid_rows) / n_rows,
+            "lag_mean": jnp.sum(lag * valid_rows) / n_rows,
+            "lag_max": jnp.max(jnp.where(valid_rows, lag, -jnp.inf)),
+        }
+        if self.lr_schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
+        metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in oaux.items()})
+        metrics.update(raux)
+        return nnx.state(ts), metrics
+
+    def _compiled_for(self, batch: Batch) -> Callable[..., Any]:
+        bsh = self.batch_shardings(batch)
+        key = (jax.tree.structure(batch), tuple(jax.tree.leaves(bsh)))
+        fn = self._jitted.get(key)
+        if fn is None:
+            fn = jax.jit(
+                self._step,
+                in_shardings=(self.state_shardings, bsh),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnums=(0,) if self.donate else (),
+            )
+            self._jitted[key] = fn
+        return fn
+
+    def __call__(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Metrics]:
+        fn = self._compiled_for(batch)
+        with jax.set_mesh(self.mesh):
+            return fn(state, batch)
+
+    def lower(self, state: nnx.State, batch: Batch) -> Any:
+        """``jax.jit(...).lower`` for the batch's layout (for compile-time measurement)."""
+        with jax.set_mesh(self.mesh):
+            return self._compiled_for(batch).lower(state, batch)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    *,
+    mesh: Mesh,
+    objective: str = "sat_gspo",
+    objective_hp: Mapping[str, Any] | None = None,
+    replay: bool = True,
+    grad_accum: int = 1,
+    max_grad_norm: float | None = 1.0,
+    temperature: float = 1.0,
+    lr_schedule: optax.Schedule | None = None,
+    normalize_adv_std: bool = True,
+    donate: bool = True,
+) -> TrainStep:
+    """Builds the jitted train step for ``graphdef, state = nnx.split(TrainState(...))``.
+
+    Args:
+      graphdef, state: the split ``TrainState``; ``state`` (concrete or abstract) fixes
+        the parameter / optimizer shardings via ``parallel.state_shardings``.
+      mesh: the device mesh (``parallel.make_mesh``).
+      objective, objective_hp: ``satjax.objectives.make(objective, **objective_hp)``.
+      replay: replay the batch's engine routes (R3) when it carries them.
+      grad_accum: number of micro-batches (B must be divisible by it); exact.
+      max_grad_norm: global-norm clip applied before the optimizer (None: no clipping);
+        the logged ``grad_norm`` is the norm before clipping.
+      temperature: sampling temperature of the behavior policy.
+      lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
+      normalize_adv_std: divide group-centred rewards by the group std.
+      donate: donate the input state buffers to the output.
+    """
+    return TrainStep(
+        graphdef,
+        state,
+        mesh=mesh,
+        objective=objective,
+        objective_hp=objective_hp,
+        replay=replay,
+        grad_accum=grad_accum,
+        max_grad_norm=max_grad_norm,
+        temperature=temperature,
+        lr_schedule=lr_schedule,
+        normalize_adv_std=normalize_adv_std,
+        donate=donate,
+    )
