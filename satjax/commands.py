@@ -39,7 +39,7 @@ def train(argv: list[str]) -> int:
         last = run_train(cfg, resume=args.resume, progress=not args.no_progress)
     except FileExistsError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
-    keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch_frac")
+    keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     print(json.dumps({k: last[k] for k in keys if k in last}))
     print(f"run directory: {cfg.run_dir} (metrics: {Path(cfg.run_dir) / 'logs/metrics.jsonl'})")
     return 0

@@ -104,7 +104,7 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
     # 3. SAT tail fraction and router flip rate vs lag
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     for ax, name, label in ((axes[0], "sat_tail_frac", "SAT tail fraction"),
-                            (axes[1], "router_mismatch_frac", "router expert-set flip rate")):
+                            (axes[1], "router_mismatch", "router expert-set flip rate")):
         for v in variants:
             ms = []
             for lag in lags:
