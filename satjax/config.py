@@ -152,6 +152,11 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         return dict(value)
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"config key {key!r}: expected true/false, got {value!r}")
     if typ is int and isinstance(value, bool):

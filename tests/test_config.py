@@ -13,7 +13,9 @@ def test_defaults_and_yaml_roundtrip(tmp_path):
 
 def test_overrides_typed(tmp_path):
     cfg = load_config(overrides=["objective.hparams.lam=0.5", "train.steps=7", "train.replay=false",
-                                 "train.learning_rate=1", "train.mesh.expert=4"])
+                                 "train.learning_rate=1", "train.mesh.expert=4",
+                                 "train.weight_decay=1e-3"])
+    assert cfg.train.weight_decay == 1e-3
     assert cfg.objective.hparams == {"lam": 0.5}
     assert cfg.train.steps == 7 and cfg.train.replay is False
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)

@@ -132,7 +132,11 @@ class Trainer:
         model = warm_start(cfg, self.dirs, self.tokenizer, self.task, progress=progress)
         self.model_config = model.config
         t = cfg.train
-        self.mesh = parallel.make_mesh(parallel.MeshConfig(**dataclasses.asdict(t.mesh)))
+        mesh_cfg = parallel.MeshConfig(**dataclasses.asdict(t.mesh))
+        devices = jax.devices()
+        if mesh_cfg.size < len(devices):
+            log.warning("train.mesh uses %d of %d devices", mesh_cfg.size, len(devices))
+        self.mesh = parallel.make_mesh(mesh_cfg, devices[: mesh_cfg.size])
         schedule = optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps)) \
             if t.warmup_steps > 0 else optax.constant_schedule(t.learning_rate)
         tx = make_optimizer(schedule, weight_decay=t.weight_decay)
