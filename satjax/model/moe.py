@@ -47,7 +47,8 @@ def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | N
     if routing is None:
         experts, weights = top_i, top_p
     else:
-        experts = routing.astype(jnp.int32)
+        # clipped so padding rows holding e.g. -1 stay harmless (their outputs are masked)
+        experts = jnp.clip(routing.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
