@@ -119,7 +119,7 @@ def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[st
 
 def from_pretrained(path: str, dtype: jnp.dtype = jnp.float32, *,
                     param_dtype: jnp.dtype | None = None,
-                    moe_impl: str = "ragged") -> Qwen3MoeForCausalLM:
+                    moe_impl: str = "auto") -> Qwen3MoeForCausalLM:
     """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the storage dtype.

@@ -5,12 +5,18 @@ weights renormalised over the k chosen experts iff ``norm_topk_prob``. With R3 r
 chosen experts come from ``routing`` and the gate weights are the model's own ``probs``
 gathered at them (renormalised the same way), so the router still receives gradients.
 
-Two dispatch implementations, both dropless (no capacity factor, no token is ever dropped),
-so replaying the model's own routes reproduces the non-replay forward exactly:
+Three dispatch implementations, all dropless (no capacity factor, no token is ever
+dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
 
-* ``"ragged"`` (default): sort the N*k token-expert pairs by expert and run the three
-  expert matmuls with ``jax.lax.ragged_dot``; cost O(N*k). Under a GSPMD mesh with expert
-  weights sharded over an axis XLA all-gathers the expert weights (correct, not EP-optimal).
+* ``"ragged"``: sort the N*k token-expert pairs by expert and run the three expert matmuls
+  with ``jax.lax.ragged_dot``; cost O(N*k) where the backend has a grouped-GEMM kernel
+  (GPU/TPU). Under a GSPMD mesh with expert weights sharded over an axis XLA all-gathers
+  the expert weights (correct, not EP-optimal).
+* ``"blocked"``: the same sort, but each expert's group is padded to a multiple of a block
+  size and the blocks run as one batched matmul against per-block gathered expert weights
+  (MegaBlocks-style, static shapes); cost O(N*k + E*block). XLA:CPU lowers ragged_dot
+  densely, so this is ~4x faster there.
+* ``"auto"`` (default): "blocked" on CPU, "ragged" elsewhere.
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
   (each device computes its experts, one all-reduce combines).
@@ -25,7 +31,7 @@ from flax import nnx
 from satjax.model.layers import make_param
 
 Array = jax.Array
-MOE_IMPLS = ("ragged", "dense_einsum")
+MOE_IMPLS = ("auto", "blocked", "ragged", "dense_einsum")
 
 
 def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | None = None
@@ -41,7 +47,8 @@ def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | N
     if routing is None:
         experts, weights = top_i, top_p
     else:
-        experts = routing.astype(jnp.int32)
+        # clipped so padding rows holding e.g. -1 stay harmless (their outputs are masked)
+        experts = jnp.clip(routing.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -65,6 +72,50 @@ def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
+def _block_size(m: int, num_experts: int) -> int:
+    """Power of two in [8, 128] near m / (4 E): padding waste stays <= ~25% + E blocks."""
+    target = max(m // (4 * num_experts), 1)
+    return int(min(max(1 << (target.bit_length() - 1), 8), 128))
+
+
+def blocked_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                    w_down: Array) -> Array:
+    """Dropless block-padded dispatch. x [N, D]; experts/weights [N, k] -> [N, D]."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    m = n * k
+    bk = _block_size(m, num_experts)
+    num_blocks = -(-m // bk) + num_experts  # static bound on sum_e ceil(size_e / bk)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    sizes = jnp.bincount(flat, length=num_experts)
+    padded = (sizes + bk - 1) // bk * bk
+    start, padded_start = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
+    dest = (padded_start[sorted_e] + jnp.arange(m) - start[sorted_e]).astype(jnp.int32)
+    slot = jnp.zeros((m,), jnp.int32).at[order].set(dest)  # padded row of each (token, j)
+    xs = jnp.zeros((num_blocks * bk, x.shape[1]), x.dtype).at[slot].set(
+        jnp.repeat(x, k, axis=0))
+    block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_blocks) * bk,
+                                    side="right")
+    block_expert = jnp.minimum(block_expert, num_experts - 1)  # unused tail blocks: zeros
+    xs = xs.reshape(num_blocks, bk, -1)
+    g = jnp.einsum("bcd,bdf->bcf", xs, w_gate[block_expert])
+    u = jnp.einsum("bcd,bdf->bcf", xs, w_up[block_expert])
+    y = jnp.einsum("bcf,bfd->bcd", jax.nn.silu(g) * u, w_down[block_expert])
+    y = y.reshape(num_blocks * bk, -1)[slot].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def resolve_moe_impl(moe_impl: str) -> str:
+    """Map "auto" to the fastest dropless implementation for the default backend."""
+    if moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+    if moe_impl == "auto":
+        return "blocked" if jax.default_backend() == "cpu" else "ragged"
+    return moe_impl
+
+
 def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array,
                          w_up: Array, w_down: Array) -> Array:
     """All experts on all tokens, mixed by a dropless one-hot combine matrix -> [N, D]."""
@@ -75,6 +126,10 @@ def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array
     u = jnp.einsum("nd,edf->nef", x, w_up)
     y = jnp.einsum("nef,efd->ned", jax.nn.silu(g) * u, w_down)
     return jnp.einsum("ned,ne->nd", y, combine)
+
+
+_IMPLS = {"ragged": ragged_experts, "blocked": blocked_experts,
+          "dense_einsum": dense_einsum_experts}
 
 
 class Experts(nnx.Module):
@@ -95,15 +150,13 @@ class SparseMoeBlock(nnx.Module):
     """Router + experts. Returns (out [B, T, D], router logits f32 [B, T, E], top-k [B, T, k])."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
-                 moe_impl: str = "ragged"):
-        if moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+                 moe_impl: str = "auto"):
         self.gate = make_param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", None),
                                param_dtype, std=cfg.initializer_range)
         self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.moe_impl = moe_impl
+        self.moe_impl = resolve_moe_impl(moe_impl)
         self.dtype = dtype
 
     def __call__(self, x: Array, routing: Array | None = None) -> tuple[Array, Array, Array]:
@@ -115,7 +168,6 @@ class SparseMoeBlock(nnx.Module):
         weights = weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
         ws = [p[...].astype(self.dtype) for p in
               (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
-        fn = ragged_experts if self.moe_impl == "ragged" else dense_einsum_experts
-        out = fn(flat, experts, weights, *ws)
+        out = _IMPLS[self.moe_impl](flat, experts, weights, *ws)
         return (out.reshape(b, t, d), logits.reshape(b, t, -1),
                 own.reshape(b, t, self.top_k))

@@ -64,11 +64,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
       rngs: initialisation RNGs (weights ~ N(0, initializer_range), norms = 1).
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
       param_dtype: storage dtype of the parameters.
-      moe_impl: "ragged" (sorted dispatch + ragged_dot) or "dense_einsum" (see moe.py).
+      moe_impl: "auto" | "blocked" | "ragged" | "dense_einsum" dropless dispatch (moe.py).
     """
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
-                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "ragged"):
+                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto"):
         self.config = cfg
         self.dtype = dtype
         std = cfg.initializer_range
