@@ -111,8 +111,14 @@ def _experts_module(model: torch.nn.Module, prefix: str) -> torch.nn.Module:
 def update_weights(worker, named: list[tuple[str, torch.Tensor]]) -> dict:
     """Updates the live model of a vLLM CPU ``worker`` in place; see the module docstring."""
     from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
 
     model = worker.model_runner.model
+    if not current_platform.is_cpu():
+        # the bug is in the CPU experts kernel's prepacking; elsewhere the built-in
+        # layerwise reload is the supported path (untested here: no GPU)
+        worker.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        return {"tensors": len(named), "expert_layers": 0, "fingerprint": 0.0}
     experts, rest = split_experts(named)
     if rest:
         worker.model_runner.reload_weights(weights_iterator=rest, is_checkpoint_format=True)
