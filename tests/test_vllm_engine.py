@@ -170,3 +170,42 @@ def test_weight_update_worker_stamps_new_version(served):
 class _AsCompletion:
     def __init__(self, t):
         self.prompt_tokens, self.response_tokens = t.prompt_tokens, t.response_tokens
+
+
+# -- no server needed --------------------------------------------------------------------
+def _choice(p: int, n: int, *, finish: str = "length", rows: int | None = None) -> dict:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    routes = np.arange((rows if rows is not None else p + n - 1) * 4 * 2) % 8
+    np.save(buf, routes.reshape(-1, 4, 2).astype(np.uint8))
+    return {"token_ids": list(range(3, 3 + n)), "finish_reason": finish,
+            "logprobs": {"token_logprobs": [-0.5] * n},
+            "routed_experts": base64.b64encode(buf.getvalue()).decode()}
+
+
+def test_parse_choice_decodes_routes_and_rejects_bad_replies():
+    from satjax.rollout.vllm_engine import VllmError, parse_choice
+
+    c = parse_choice([1, 5, 6], _choice(3, 4))
+    assert c.routed_experts.dtype == np.int32 and c.routed_experts.shape == (6, 4, 2)
+    np.testing.assert_array_equal(c.response_tokens, [3, 4, 5, 6])
+    assert c.finish_reason == "length" and c.logprobs.dtype == np.float32
+    with pytest.raises(VllmError, match="rows"):
+        parse_choice([1, 5, 6], _choice(3, 4, rows=7))
+    with pytest.raises(VllmError, match="abort"):
+        parse_choice([1, 5, 6], _choice(3, 4, finish="abort"))
+    with pytest.raises(VllmError, match="routed_experts"):
+        parse_choice([1, 5, 6], {**_choice(3, 4), "routed_experts": None})
+
+
+def test_missing_vllm_python_is_a_clear_error(monkeypatch):
+    from satjax.rollout.vllm_engine import request_seed, resolve_python
+
+    monkeypatch.delenv("SATJAX_VLLM_PYTHON", raising=False)
+    with pytest.raises(ValueError, match="SATJAX_VLLM_PYTHON"):
+        resolve_python("")
+    with pytest.raises(ValueError, match="can import vllm"):
+        resolve_python("/nonexistent/bin/python")
+    assert len({request_seed(7, i) for i in range(64)}) == 64

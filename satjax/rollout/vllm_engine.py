@@ -225,8 +225,8 @@ class VllmEngine:
             try:
                 if self._request("GET", "/health", None, timeout=5)[0] == 200:
                     return
-            except OSError:
-                pass
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet
             if time.monotonic() > deadline:
                 self.close()
                 raise VllmError(
