@@ -41,9 +41,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = "satjax.rollout.vllm_ext.WeightExt"
 SERVED_NAME = "satjax"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-# fp32 serving reproduces the trainer's fp32 log-probs to ~1e-6; a bf16 server cannot,
-# but a failed sync moves them by nats, far above this
-_CANARY_ATOL = {"float32": 1e-4, "bfloat16": 0.1}
+# fp32 serving reproduces the trainer's fp32 log-probs to ~1e-6; a bf16 server is ~4e-3
+# off on the tiny model (measured), while a corrupted sync moves them by nats
+_CANARY_ATOL = {"float32": 1e-4, "bfloat16": 0.05}
 _SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # enables /collective_rpc and /reset_prefix_cache
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the CPU default takes a large share of RAM
