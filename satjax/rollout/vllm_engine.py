@@ -1,0 +1,351 @@
+"""The vLLM engine: a real vLLM OpenAI-compatible server as a subprocess.
+
+vLLM runs from its own venv (``rollout.vllm_python`` or ``SATJAX_VLLM_PYTHON``; on CPU
+``scripts/install_vllm_cpu.sh`` makes one) and talks plain HTTP, so the main package
+gains no dependency. The first :meth:`VllmEngine.load` starts the server on that
+checkpoint; later loads update the weights in place through our worker extension
+(:mod:`satjax.rollout.vllm_ext`, over ``/collective_rpc``), reset the prefix cache (its
+KV and routes belong to the old weights) and stamp the server's weight version. The
+rollout worker's canary check (:meth:`canary_logprobs`, vLLM ``prompt_logprobs``) then
+guards the update.
+
+Per completion vLLM returns the sampled tokens, their log-probs under the processed
+sampling distribution (``--logprobs-mode processed_logprobs``) and the routed experts of
+every prompt and response token but the last (``--enable-return-routed-experts``,
+base64 ``.npy`` ``[P + N - 1, L, k]``). See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import concurrent.futures as cf
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from satjax.model.sampling import Completion, SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXTENSION = "satjax.rollout.vllm_ext.WeightExt"
+SERVED_NAME = "satjax"
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+# fp32 serving reproduces the trainer's fp32 log-probs to ~1e-6; a bf16 server is ~4e-3
+# off on the tiny model (measured), while a corrupted sync moves them by nats
+_CANARY_ATOL = {"float32": 1e-4, "bfloat16": 0.05}
+_SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # enables /collective_rpc and /reset_prefix_cache
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the CPU default takes a large share of RAM
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # shared cores: do not pin OpenMP threads
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+class VllmError(RuntimeError):
+    """The vLLM server failed to start, or answered a request with an error."""
+
+
+def resolve_python(configured: str = "") -> str:
+    """The vLLM venv's interpreter: ``configured`` (``rollout.vllm_python``), else
+    ``$SATJAX_VLLM_PYTHON``; raises ValueError unless it can import vllm."""
+    python = configured or os.environ.get("SATJAX_VLLM_PYTHON", "")
+    if not python:
+        raise ValueError(
+            "rollout.vllm_python: not set and SATJAX_VLLM_PYTHON is unset; point one of them "
+            "at the python of a venv with vLLM (CPU: scripts/install_vllm_cpu.sh, then "
+            "SATJAX_VLLM_PYTHON=.venv-vllm/bin/python)"
+        )
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise ValueError(f"rollout.vllm_python: {python!r} is not a python that can import vllm")
+    return python
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def decode_routes(encoded: str) -> np.ndarray:
+    """vLLM's base64 ``.npy`` routed experts -> int32 ``[T, L, k]``."""
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False).astype(np.int32)
+
+
+def request_seed(seed: int, index: int) -> int:
+    """Distinct, reproducible per-request seeds (the worker repeats each prompt
+    ``group_size`` times, so one seed for the whole batch would repeat samples)."""
+    return (int(seed) * 1_000_003 + index * 7_919 + 1) % (2**31 - 1)
+
+
+def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: int) -> dict:
+    """The ``/v1/completions`` body for one prompt of token ids."""
+    return {
+        "model": SERVED_NAME,
+        "prompt": [int(t) for t in prompt],
+        "n": 1,
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "seed": seed,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "return_token_ids": True,
+        # without a tokenizer the server can only name log-prob tokens by id
+        "return_tokens_as_token_ids": True,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def parse_choice(prompt: Sequence[int], choice: dict[str, Any]) -> Completion:
+    """One ``/v1/completions`` choice -> :class:`Completion`."""
+    tokens = np.asarray(choice.get("token_ids") or [], np.int32)
+    logprobs = np.asarray((choice.get("logprobs") or {}).get("token_logprobs") or [], np.float32)
+    if logprobs.shape != tokens.shape:
+        raise VllmError(f"vLLM returned {tokens.size} tokens but {logprobs.size} log-probs")
+    finish = choice.get("finish_reason")
+    if finish not in ("stop", "length"):
+        raise VllmError(f"vLLM finished a request with {finish!r}")
+    encoded = choice.get("routed_experts")
+    if not encoded:
+        raise VllmError("vLLM returned no routed_experts; is --enable-return-routed-experts on?")
+    routes = decode_routes(encoded)
+    expected = len(prompt) + tokens.size - 1
+    if routes.shape[0] != expected:
+        raise VllmError(f"routed_experts has {routes.shape[0]} rows, expected {expected}")
+    return Completion(
+        prompt_tokens=np.asarray(prompt, np.int32), response_tokens=tokens,
+        logprobs=logprobs, routed_experts=routes, finish_reason=finish,
+    )
+
+
+class VllmEngine:
+    """Engine protocol over a vLLM server subprocess (see the module docstring).
+
+    ``cfg`` is a :class:`satjax.config.Config` (or None for the defaults); ``dtype``
+    overrides ``cfg.rollout.sample_dtype``.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        cfg=None,
+        *,
+        python: str | None = None,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        log_dir: str | os.PathLike[str] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        rollout = getattr(cfg, "rollout", None)
+        dtype = dtype or (rollout.sample_dtype if rollout is not None else "float32")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: one of {sorted(_DTYPES)}, got {dtype!r}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
+        self.python = resolve_python(python or (rollout.vllm_python if rollout else ""))
+        self.dtype = dtype
+        self.canary_atol = _CANARY_ATOL[dtype]
+        self.max_model_len = max_model_len
+        self.seed = int(getattr(cfg, "seed", 0))
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_concurrency = max_concurrency
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="satjax-vllm-"))
+        self.extra_args = tuple(extra_args)
+        self.version: int | None = None
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.log_dir / "vllm-server.log"
+        self.last_sync_s: float | None = None
+        self.last_sync_info: dict[str, Any] = {}
+        atexit.register(self.close)
+
+    # -- server lifecycle ------------------------------------------------------------
+    def _command(self, checkpoint_dir: Path) -> list[str]:
+        max_len = self.max_model_len or _model_max_len(checkpoint_dir)
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(checkpoint_dir), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", self.dtype, "--enforce-eager", "--max-model-len", str(max_len),
+            "--seed", str(self.seed),
+            "--skip-tokenizer-init",  # token ids in and out; no tokenizer files needed
+            "--logprobs-mode", "processed_logprobs",
+            "--enable-return-routed-experts",
+            "--worker-extension-cls", EXTENSION,
+            *self.extra_args,
+        ]
+
+    def start(self, checkpoint_dir: Path) -> None:
+        """Starts the server on ``checkpoint_dir`` and waits until ``/health`` answers."""
+        if self.proc is not None:
+            raise VllmError("the vLLM server is already running")
+        self.port = free_port()
+        env = dict(os.environ)
+        env.update(_SERVER_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # own session: close() signals the whole group (api server + engine core)
+            self.proc = subprocess.Popen(
+                self._command(checkpoint_dir), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise VllmError(f"vLLM server exited with {code} during startup\n{self.log_tail()}")
+            try:
+                if self._request("GET", "/health", None, timeout=5)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                self.close()
+                raise VllmError(
+                    f"vLLM server not healthy after {self.startup_timeout_s:.0f}s\n"
+                    f"{self.log_tail()}")
+            time.sleep(1.0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return f"(no server log at {self.log_path})"
+        return f"--- last {lines} lines of {self.log_path}:\n" + "\n".join(text[-lines:])
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``grace_s``."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # the engine core may outlive the api server a moment; end the group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- HTTP ------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict | None,
+                 timeout: float | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port,
+                                          timeout=timeout or self.request_timeout_s)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data,
+                         headers={"Content-Type": "application/json"} if data else {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def _post(self, path: str, body: dict | None = None) -> Any:
+        if self.proc is None:
+            raise VllmError(f"POST {path}: the vLLM server is not running (call load() first)")
+        status, data = self._request("POST", path, body)
+        if status != 200:
+            raise VllmError(f"POST {path} -> HTTP {status}: {data[:2000].decode(errors='replace')}")
+        return json.loads(data) if data.strip() else None
+
+    # -- Engine protocol -------------------------------------------------------------
+    def load(self, checkpoint_dir: Path, version: int) -> None:
+        """Serves ``checkpoint_dir`` as ``version``: starts the server the first time,
+        afterwards updates its weights in place."""
+        checkpoint_dir = Path(checkpoint_dir).resolve()
+        t0 = time.perf_counter()
+        if self.proc is None:
+            self.start(checkpoint_dir)
+            self.last_sync_info = {"started": True}
+        else:
+            reply = self._post("/collective_rpc", {
+                "method": "update_weights_from_dir", "args": [str(checkpoint_dir)]})
+            results = (reply or {}).get("results") or []
+            if not results:
+                raise VllmError(f"weight update returned no worker results: {reply!r}")
+            self.last_sync_info = json.loads(results[0])
+            self._post("/reset_prefix_cache")
+        self._post("/update_weight_version", {"new_version": str(int(version))})
+        self.last_sync_s = time.perf_counter() - t0
+        self.version = int(version)
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """One completion per prompt; requests run concurrently (vLLM batches them)."""
+        if not prompts:
+            raise ValueError("prompts must be a non-empty list")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must each contain at least one token")
+
+        def one(i: int) -> Completion:
+            body = completion_request(prompts[i], sampling, request_seed(seed, i))
+            reply = self._post("/v1/completions", body)
+            return parse_choice(prompts[i], reply["choices"][0])
+
+        workers = min(self.max_concurrency, len(prompts))
+        with cf.ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def canary_logprobs(self, tokens: list[int]) -> list[float]:
+        """Teacher-forced log-probs of ``tokens[1:]`` (vLLM ``prompt_logprobs``, T = 1)."""
+        if len(tokens) < 2:
+            raise ValueError(f"tokens: need at least 2, got {len(tokens)}")
+        reply = self._post("/v1/completions", {
+            "model": SERVED_NAME, "prompt": [int(t) for t in tokens], "max_tokens": 1,
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "prompt_logprobs": 0,
+            "detokenize": False,
+        })
+        rows = reply["choices"][0]["prompt_logprobs"]
+        return [float(rows[i][str(int(tokens[i]))]["logprob"]) for i in range(1, len(tokens))]
+
+    def weight_version(self) -> str | None:
+        """The version string the server reports (``/weight_info``)."""
+        status, data = self._request("GET", "/weight_info", None, timeout=30)
+        return json.loads(data).get("weight_version") if status == 200 else None
+
+
+def _model_max_len(checkpoint_dir: Path, cap: int = 8192) -> int:
+    cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    return int(min(cfg.get("max_position_embeddings", cap), cap))

