@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # name: (objective, replay)
-    "ppo_clip": {"objective": "ppo_clip", "replay": False},
-    "grpo": {"objective": "grpo", "replay": False},
-    "gspo": {"objective": "gspo", "replay": False},
-    "sat_gspo": {"objective": "sat_gspo", "replay": False},
-    "sat_gspo_r3": {"objective": "sat_gspo", "replay": True},
+    # name: objective, routing replay, whether the clip radius is sequence-level (GSPO family)
+    "ppo_clip": {"objective": "ppo_clip", "replay": False, "sequence_level": False},
+    "grpo": {"objective": "grpo", "replay": False, "sequence_level": False},
+    "gspo": {"objective": "gspo", "replay": False, "sequence_level": True},
+    "sat_gspo": {"objective": "sat_gspo", "replay": False, "sequence_level": True},
+    "sat_gspo_r3": {"objective": "sat_gspo", "replay": True, "sequence_level": True},
 }
 
 
@@ -48,7 +48,8 @@ class RunSpec:
 
 
 def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: str,
-            warmup_dir: str, steps: int, eval_every: int) -> dict[str, Any]:
+            warmup_dir: str, steps: int, eval_every: int,
+            seq_eps: tuple[float, float] | None = None) -> dict[str, Any]:
     """Trains and evaluates one run in this process; writes result.json."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -70,6 +71,10 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
         f"run_dir={run_dir}", f"seed={spec.seed}", f"model.path={warmup_dir}",
         f"objective.name={variant['objective']}", f"train.replay={variant['replay']}",
         f"train.steps={steps}", f"train.max_lag={spec.lag}", f"train.exact_lag={spec.lag}",
+        # each objective runs with its own defaults, except the GSPO-family radius if given
+        "objective.hparams={}",
+        *([f"objective.hparams.eps_low={seq_eps[0]}", f"objective.hparams.eps_high={seq_eps[1]}"]
+          if seq_eps and variant["sequence_level"] else []),
     ])
     t0 = time.time()
     trainer = Trainer(cfg, resume=False, progress=False)
@@ -142,6 +147,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
+    p.add_argument("--seq-eps", default=None, metavar="LOW,HIGH",
+                   help="clip radius of the GSPO-family objectives (default: their own, "
+                        "3e-4,4e-4, sized for long responses)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     variants = [v for v in args.variants.split(",") if v]
@@ -149,6 +157,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     lags = [int(x) for x in args.lags.split(",")]
+    seq_eps = tuple(float(x) for x in args.seq_eps.split(",")) if args.seq_eps else None
+    if seq_eps is not None and len(seq_eps) != 2:
+        p.error("--seq-eps: expected LOW,HIGH")
     seeds = [int(x) for x in args.seeds.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +172,7 @@ def main(argv: list[str]) -> int:
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         futures = {pool.submit(run_one, s, args.config, args.overrides, str(out), warmup_dir,
-                               args.steps, args.eval_every): s for s in todo}
+                               args.steps, args.eval_every, seq_eps): s for s in todo}
         for fut in tqdm(cf.as_completed(futures), total=len(futures), desc="lag sweep"):
             spec = futures[fut]
             res = fut.result()
