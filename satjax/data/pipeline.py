@@ -39,8 +39,9 @@ def eval_examples(task: Task, *, num_examples: int) -> list[Example]:
 
 
 def encode_prompt(tokenizer, example: Example) -> list[int]:
-    """``[bos] + prompt tokens``: how every engine and the SFT warm-up see a prompt."""
-    return [tokenizer.bos_id, *tokenizer.encode(example.prompt)]
+    """``[bos] + prompt tokens`` (no BOS for tokenizers without one, e.g. Qwen's): how every
+    engine and the SFT warm-up see a prompt."""
+    return tokenizer.encode(example.prompt, add_bos=True)
 
 
 def decode_response(tokenizer, tokens) -> str:

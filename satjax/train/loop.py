@@ -158,9 +158,7 @@ class Trainer:
             log.info("resumed at step %d (queue cursor %d)", self.step, self.queue_cursor)
         keep = max(3, cfg.train.exact_lag + 2)
         self.publisher = WeightPublisher(self.dirs.sync, keep=keep)
-        self.canary_tokens = [
-            self.tokenizer.bos_id, *self.tokenizer.encode(CANARY_TEXT), self.tokenizer.eos_id
-        ]
+        self.canary_tokens = self.tokenizer.encode(CANARY_TEXT, add_bos=True, add_eos=True)
 
     @property
     def policy_version(self) -> int:
