@@ -68,6 +68,12 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
         rows = [m for m in metrics[key] if name in m and not isinstance(m[name], str)]
         return [m["step"] for m in rows], [m[name] for m in rows]
 
+    def smooth(ys, window=10):
+        # trailing mean: a batch of 8 prompts gives a very noisy per-step reward
+        c = np.cumsum(np.insert(np.asarray(ys, np.float64), 0, 0.0))
+        n = np.minimum(np.arange(1, len(ys) + 1), window)
+        return (c[1:] - c[np.arange(1, len(ys) + 1) - n]) / n
+
     # 1. training reward vs step, one panel per lag
     fig, axes = plt.subplots(1, len(lags), figsize=(4 * len(lags), 3.2), sharey=True, squeeze=False)
     for ax, lag in zip(axes[0], lags, strict=True):
@@ -77,10 +83,10 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
                 continue
             xs, _ = series(keys[0], "reward_mean")
             ys = np.mean([series(k, "reward_mean")[1] for k in keys], axis=0)
-            ax.plot(xs, ys, label=v, lw=1.2)
+            ax.plot(xs, smooth(ys), label=v, lw=1.2)
         ax.set_title(f"lag {lag}")
         ax.set_xlabel("step")
-    axes[0][0].set_ylabel("mean training reward")
+    axes[0][0].set_ylabel("training reward (10-step mean)")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "reward_vs_step.png", dpi=120)
@@ -101,22 +107,32 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
     fig.savefig(out / "score_vs_lag.png", dpi=120)
     plt.close(fig)
 
-    # 3. SAT tail fraction and router flip rate vs lag
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, name, label in ((axes[0], "sat_tail_frac", "SAT tail fraction"),
-                            (axes[1], "router_mismatch", "router expert-set flip rate")):
-        for v in variants:
-            ms = []
-            for lag in lags:
-                vals = [np.mean(series(k, name)[1]) for k in runs
-                        if k[0] == v and k[1] == lag and series(k, name)[1]]
-                ms.append(float(np.mean(vals)) if vals else np.nan)
-            ax.plot(lags, ms, marker="o", label=v)
+    # 3. SAT tail / newly clipped fractions and router flip rates vs lag
+    def per_lag(v, name):
+        out = []
+        for lag in lags:
+            vals = [np.mean(series(k, name)[1]) for k in runs
+                    if k[0] == v and k[1] == lag and series(k, name)[1]]
+            out.append(float(np.mean(vals)) if vals else np.nan)
+        return out
+
+    panels = (("sat_tail_frac", "SAT tail fraction"),
+              ("sat_newly_clipped_frac", "clipped by SAT, not by the base clip"),
+              ("router_mismatch", "expert-set flips: router vs engine"))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, (name, label) in zip(axes, panels, strict=True):
+        for i, v in enumerate(variants):
+            line, = ax.plot(lags, per_lag(v, name), marker="o", label=v)
+            if name == "router_mismatch" and any(v == k[0] for k in runs):
+                # what the trainer actually used: 0 under routing replay
+                ax.plot(lags, per_lag(v, "router_mismatch_applied"), ls="--",
+                        color=line.get_color(), lw=0.8,
+                        label="applied (dashed)" if i == 0 else None)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lags, [str(x) for x in lags])
         ax.set_xlabel("policy lag (versions)")
         ax.set_ylabel(label)
-    axes[1].legend(fontsize=7)
+    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "tail_and_flips_vs_lag.png", dpi=120)
     plt.close(fig)
