@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -15,11 +17,14 @@ def _env():
     return env
 
 
-def _train(run_dir, *extra, timeout=900):
+def _train(run_dir, *extra, timeout=900, background=False):
     cmd = [sys.executable, "-m", "satjax.cli", "train", "--config", str(REPO / "configs/tiny.yaml"),
            "--no-progress", "--set", f"run_dir={run_dir}", "--set", "sft.steps=5",
            "--set", "checkpoint.every=2", "--set", "rollout.prompts_per_step=2",
            "--set", "rollout.group_size=4", *extra]
+    if background:
+        return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO)
     return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout,
                           cwd=REPO)
 
@@ -48,13 +53,33 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     r = _train(run_dir, "--set", "train.steps=5")
     assert r.returncode == 2 and "--resume" in r.stderr
 
-    r = _train(run_dir, "--resume", "--set", "train.steps=5")
-    assert r.returncode == 0, r.stderr[-3000:]
+    # resume, then Ctrl-C mid-run: the trainer checkpoints the step it reached and stops
+    # its worker and queue processes
+    proc = _train(run_dir, "--resume", "--set", "train.steps=500", background=True)
+    deadline = time.monotonic() + 600
+    while len(_metrics(run_dir)) < 5 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     rows = _metrics(run_dir)
-    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5]
-    assert (run_dir / "weights" / "LATEST").read_text() == "5"
-    summary = json.loads(r.stdout.splitlines()[0])
-    assert "reward_mean" in summary
+    steps = [m["step"] for m in rows]
+    assert steps == list(range(1, len(steps) + 1)) and 5 <= steps[-1] < 500
+    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts[-1] == steps[-1]
+    assert json.loads(out.splitlines()[0])["reward_mean"] == rows[-1]["reward_mean"]
+    leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True)
+    assert leftover.stdout == b"", "a worker process outlived the trainer"
+
+    r = subprocess.run([sys.executable, "-m", "satjax.cli", "eval", "--config",
+                        str(REPO / "configs/tiny.yaml"), "--set", f"run_dir={run_dir}",
+                        "--k", "2", "--num-prompts", "4"],
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["model"].endswith(f"v{steps[-1]:08d}")
+    assert 0.0 <= result["avg@2"] <= result["pass@2"] <= 1.0
 
 
 def test_bad_config_key_is_named(tmp_path):

@@ -22,11 +22,11 @@ from satjax.rollout.weight_sync import WeightSubscriber
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 
 
-def build_engine(cfg, tokenizer):
+def build_engine(cfg, tokenizer, log_dir: Path | None = None):
     if cfg.rollout.engine == "vllm":
         from satjax.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg)
+        return VllmEngine(cfg, log_dir=log_dir)
     from satjax.rollout.builtin_engine import BuiltinEngine
 
     return BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tokenizer.pad_id)
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--worker-id", default="0")
     p.add_argument("--max-batches", type=int, default=None)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     token = os.environ.get("SATJAX_QUEUE_TOKEN")
     if not token:
         p.error("set SATJAX_QUEUE_TOKEN to the queue's bearer token")
@@ -55,7 +55,8 @@ def main(argv: list[str]) -> int:
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
     subscriber = WeightSubscriber(run_dir / "weights")
     worker = RolloutWorker(
-        build_engine(cfg, tokenizer), task, tokenizer, client, subscriber,
+        build_engine(cfg, tokenizer, run_dir / "logs" / f"vllm-{wid}"), task, tokenizer, client,
+        subscriber,
         iter(prompt_dataset(task, seed=seed)),
         WorkerConfig(
             group_size=cfg.rollout.group_size,
