@@ -17,6 +17,8 @@ import logging
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -215,6 +217,28 @@ def lag_stats(trainer_version: int, trajectories) -> dict[str, float]:
     return out
 
 
+class _StopOnInterrupt:
+    """First Ctrl-C (SIGINT) or SIGTERM: finish the current step (train, publish, log),
+    then stop cleanly. A second Ctrl-C raises KeyboardInterrupt as usual."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("stop requested: finishing the current step, then checkpointing")
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Runs ``cfg.train.steps`` RL steps with a local queue server and rollout workers
     (or the queue at ``cfg.queue.address``). Returns the last step's metrics."""
@@ -244,17 +268,22 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
         bar = tqdm(total=cfg.train.steps, initial=trainer.step, desc="rl", disable=not progress)
         t_last = time.time()
         first_batch = True  # after a restart, re-read what the lost steps had consumed
+        stop = _StopOnInterrupt()
         try:
-            while trainer.step < cfg.train.steps:
+            while trainer.step < cfg.train.steps and not stop.requested:
                 version = trainer.policy_version
                 got = None
                 while got is None or not got.trajectories:
+                    if stop.requested:
+                        break
                     procs.check_alive()
                     # An empty reply means fewer than n_rows fresh trajectories so far.
                     got = client.get_batch(n_rows, trainer_version=version,
                                            max_lag=cfg.train.max_lag, timeout=5.0,
                                            redeliver_unacked=first_batch)
                     first_batch = False
+                if stop.requested:
+                    break
                 metrics = trainer.train_on(got.trajectories)
                 trainer.queue_cursor = got.cursor
                 metrics.update(lag_stats(version, got.trajectories))
@@ -272,9 +301,10 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
                                 lag=f"{metrics['lag_mean']:.2f}",
                                 traj_s=f"{metrics['trajectories_per_s']:.1f}")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
             log.warning("interrupted: saving a checkpoint at step %d", trainer.step)
         finally:
+            stop.restore()
             bar.close()
             if trainer.step > 0 and trainer.ckpt.latest_step() != trainer.step:
                 trainer.save(force=True)
