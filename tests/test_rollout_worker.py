@@ -98,3 +98,41 @@ def test_canary_catches_wrong_weights(tmp_path, queue):
                            WeightSubscriber(tmp_path / "weights"), iter([]), WorkerConfig())
     with pytest.raises(WeightSyncError, match="canary failed"):
         worker.maybe_sync()
+
+
+def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
+    """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
+    replay the trainer applies exactly the engine's experts (flip rate 0)."""
+    from satjax.train.batch import make_batch
+    from satjax.train.logprobs import token_logprobs
+
+    tok = CharTokenizer()
+    task = ArithmeticTask()
+    model = _model(tok, 3)
+    engine = BuiltinEngine("bfloat16", pad_id=tok.pad_id)
+    engine.set_model(model, 0)
+    worker = RolloutWorker(
+        engine, task, tok, None, None, iter(prompt_dataset(task, seed=1)),
+        WorkerConfig(group_size=4, prompts_per_batch=8, worker_id="mm",
+                     sampling=SamplingParams(temperature=1.0, max_new_tokens=6,
+                                             stop_token_ids=(tok.eos_id,))),
+    )
+    trajectories = worker.generate_groups()
+    L, k = len(model.config.moe_layer_indices), model.config.num_experts_per_tok
+    batch = make_batch(trajectories, buckets=(32,), pad_id=tok.pad_id, num_layers_moe=L, top_k=k)
+    batch = jax.tree.map(jnp.asarray, batch)
+    metrics = {}
+    for replay in (False, True):
+        lp, aux = token_logprobs(model, batch, replay=replay)
+        log_ratio = (batch.behavior_logprobs - lp) * batch.loss_mask
+        kl_k3 = float(jnp.sum((jnp.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask)
+                      / jnp.sum(batch.loss_mask))
+        metrics[replay] = {k_: float(v) for k_, v in aux.items() if k_.startswith("router_mis")}
+        metrics[replay]["kl_k3"] = kl_k3
+    print("bf16 engine vs fp32 trainer:", metrics)
+    off, on = metrics[False], metrics[True]
+    assert 0 < off["router_mismatch"] < 0.5  # bf16 numerics flip some expert sets
+    assert off["router_mismatch_applied"] == off["router_mismatch"]
+    assert on["router_mismatch_applied"] == 0.0  # replay: the trainer uses the engine's experts
+    assert on["router_mismatch"] == off["router_mismatch"]  # the router itself is unchanged
+    assert 0 < off["kl_k3"] < 0.1 and 0 <= on["kl_k3"] < 0.1
