@@ -191,7 +191,7 @@ class Trainer:
             trajectories, buckets=cfg.train.buckets, pad_id=self.tokenizer.pad_id,
             num_layers_moe=len(self.model_config.moe_layer_indices),
             top_k=self.model_config.num_experts_per_tok,
-            batch_multiple=cfg.train.mesh.data * cfg.train.mesh.fsdp * cfg.train.grad_accum,
+            batch_multiple=parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum,
         )
         self.state, metrics = self.step_fn(self.state, self.step_fn.place_batch(batch))
         self.step += 1
