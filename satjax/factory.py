@@ -3,8 +3,6 @@ sampling parameters. Shared by ``satjax train | rollout | eval | sft | lag-sweep
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from flax import nnx
 
@@ -69,11 +67,3 @@ def sampling_params(cfg: Config, tokenizer, *, temperature: float | None = None)
         max_new_tokens=r.max_new_tokens,
         stop_token_ids=(tokenizer.eos_id,),
     )
-
-
-def replace(cfg: Config, **sections) -> Config:
-    """``replace(cfg, train={"steps": 3})``: a copy with some section fields changed."""
-    out = cfg
-    for name, fields in sections.items():
-        out = dataclasses.replace(out, **{name: dataclasses.replace(getattr(out, name), **fields)})
-    return out

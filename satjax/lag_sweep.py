@@ -169,6 +169,8 @@ def main(argv: list[str]) -> int:
     print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {args.jobs} in parallel")
     from tqdm import tqdm
 
+    from satjax.sweep_report import write_csv_table_plots
+
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         futures = {pool.submit(run_one, s, args.config, args.overrides, str(out), warmup_dir,
@@ -179,12 +181,6 @@ def main(argv: list[str]) -> int:
             tqdm.write(f"{spec.name}: avg@{res['k']} {res['final_avg_at_k']:.3f} "
                        f"({res['seconds']:.0f}s)")
     results = [json.loads((out / "runs" / s.name / "result.json").read_text()) for s in specs]
-    write_reports(results, out, lags)
+    write_csv_table_plots(results, out, lags)
     print(f"wrote {out / 'results.csv'}, {out / 'results.md'} and plots")
     return 0
-
-
-def write_reports(results: list[dict[str, Any]], out: Path, lags: list[int]) -> None:
-    from satjax.sweep_report import write_csv_table_plots
-
-    write_csv_table_plots(results, out, lags)

@@ -65,11 +65,6 @@ class ProcessGroup:
                 tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{name} exited with code {rc}; last log lines:\n{tail}")
 
-    def stop(self, name: str, grace: float = 20.0) -> None:
-        for n, proc in self.procs:
-            if n == name:
-                _terminate(n, proc, grace)
-
     def close(self, grace: float = 20.0) -> None:
         for name, proc in reversed(self.procs):
             _terminate(name, proc, grace)
