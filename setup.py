@@ -1,9 +1,9 @@
-"""Build hook: compiles satjax/rollout/trajectory.proto during build_py.
+"""Build hook: compiles satjax/queue/trajectory.proto during build_py.
 
 Metadata lives in pyproject.toml; this file only adds the protoc step so that the
 generated trajectory_pb2*.py modules (never committed) ship in wheels and exist in
 editable installs. grpcio-tools is a build-system requirement. At run time
-satjax/rollout/_proto.py regenerates them if they are missing or stale.
+satjax/queue/_proto.py regenerates them if they are missing or stale.
 """
 
 import os
@@ -11,7 +11,7 @@ import os
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-PROTO = "satjax/rollout/trajectory.proto"
+PROTO = "satjax/queue/trajectory.proto"
 
 
 class BuildPyWithProto(build_py):

@@ -31,9 +31,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from satjax.rollout.client import QueueClient  # noqa: E402
-from satjax.rollout.fastwire import encode  # noqa: E402
-from satjax.rollout.trajectory import Trajectory  # noqa: E402
+from satjax.queue.client import QueueClient  # noqa: E402
+from satjax.queue.codec import encode  # noqa: E402
+from satjax.trajectory import Trajectory  # noqa: E402
+from satjax.utils import free_port  # noqa: E402
 
 TOKEN = "bench-token"
 MB = 1 << 20
@@ -75,14 +76,6 @@ def start(cmd: list[str], marker: str) -> subprocess.Popen:
     return proc
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench(args: argparse.Namespace, fsync: str) -> dict[str, float]:
     trajs = [make_traj(i, args.prompt, args.response, args.layers, args.topk, args.experts,
                        args.group_size) for i in range(args.batch)]
@@ -91,7 +84,7 @@ def bench(args: argparse.Namespace, fsync: str) -> dict[str, float]:
     echo_blob = b"".join(raws)
     data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-", dir=args.data_dir))
     qport, eport = free_port(), free_port()
-    queue = start([sys.executable, "-m", "satjax.cli", "serve-queue", "--port", str(qport),
+    queue = start([sys.executable, "-m", "satjax", "serve-queue", "--port", str(qport),
                    "--data-dir", str(data_dir), "--fsync", fsync, "--max-message-mb", "256",
                    "--log-level", "WARNING", "--num-experts", str(args.experts)],
                   "listening on")

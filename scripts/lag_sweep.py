@@ -3,7 +3,7 @@
 
 import sys
 
-from satjax.lag_sweep import main
+from satjax.app.lag_sweep import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

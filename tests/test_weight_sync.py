@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from satjax.rollout.weight_sync import (
+from satjax.weight_sync import (
     WeightPublisher,
     WeightSubscriber,
     WeightSyncError,

@@ -1,0 +1,1 @@
+"""Generation: the rollout worker and the engines it drives (built-in JAX sampler, vLLM)."""

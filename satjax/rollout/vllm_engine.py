@@ -25,7 +25,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from satjax.model.sampling import Completion, SamplingParams
+from satjax.utils import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = "satjax.rollout.vllm_ext.WeightExt"
@@ -74,12 +74,6 @@ def resolve_python(configured: str = "") -> str:
     if not ok:
         raise ValueError(f"rollout.vllm_python: {python!r} is not a python that can import vllm")
     return python
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def decode_routes(encoded: str) -> np.ndarray:

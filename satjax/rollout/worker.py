@@ -25,8 +25,8 @@ from satjax.data.pipeline import Task, decode_response, encode_prompt
 from satjax.data.tasks import Example
 from satjax.model.sampling import SamplingParams
 from satjax.rollout.engine import Engine
-from satjax.rollout.trajectory import Trajectory
-from satjax.rollout.weight_sync import WeightSubscriber, check_canary
+from satjax.trajectory import Trajectory
+from satjax.weight_sync import WeightSubscriber, check_canary
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from satjax.rollout.trajectory import Trajectory
+from satjax.trajectory import Trajectory
 
 DEFAULT_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

@@ -1,0 +1,1 @@
+"""The application around the library: CLI, process launching, signals, lag sweep, reports."""

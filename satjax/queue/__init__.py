@@ -1,0 +1,1 @@
+"""The durable, lag-aware, authenticated gRPC trajectory queue: server, client, log store."""

@@ -1,0 +1,272 @@
+"""Client of the trajectory queue (producers: ``put``/``should_pause``; trainer: the rest).
+
+Calls that fail with UNAVAILABLE are retried with bounded exponential backoff; ``put`` is
+safe to retry because the server de-duplicates on ``trajectory_id``. Other failures raise
+a :class:`QueueError` subclass naming what went wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from satjax.queue._proto import pb2, pb2_grpc
+from satjax.queue.codec import _varint, decode, encode, iter_fields
+from satjax.trajectory import Trajectory
+
+SERVICE = "satjax.queue.v1.TrajectoryQueue"
+T = TypeVar("T")
+
+
+class QueueError(RuntimeError):
+    """A queue call failed; ``code`` is the gRPC status code when there is one."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class QueueAuthError(QueueError):
+    """The server refused the bearer token (missing or wrong)."""
+
+
+class QueueValidationError(QueueError):
+    """Invalid request, or (strict put) rejected trajectories; see ``rejections``."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None,
+                 rejections: Sequence[Rejection] = ()):
+        super().__init__(message, code)
+        self.rejections = list(rejections)
+
+
+class QueueUnavailableError(QueueError):
+    """The server could not be reached within the retry budget."""
+
+
+class QueueTimeoutError(QueueError):
+    """The call's deadline passed."""
+
+
+class QueueTooLargeError(QueueError):
+    """A message or batch is over the size limit (RESOURCE_EXHAUSTED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    index: int
+    trajectory_id: str
+    field: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PutResult:
+    accepted: list[str]      # stored (including duplicates of earlier puts)
+    duplicates: list[str]
+    rejected: list[Rejection]
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    trajectories: list[Trajectory]
+    cursor: int              # pass to QueueClient.ack once trained on
+    lag_histogram: dict[int, int]
+    dropped_stale: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseDecision:
+    pause: bool
+    reason: str
+    trainer_version: int
+    max_lag: int
+    predicted_lag: int
+    pending_fresh: int
+
+
+_ERRORS: dict[grpc.StatusCode, type[QueueError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: QueueAuthError,
+    grpc.StatusCode.PERMISSION_DENIED: QueueAuthError,
+    grpc.StatusCode.INVALID_ARGUMENT: QueueValidationError,
+    grpc.StatusCode.UNAVAILABLE: QueueUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: QueueTimeoutError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: QueueTooLargeError,
+}
+
+
+class QueueClient:
+    """``QueueClient("127.0.0.1:50051", token=...)``; ``tls_ca`` (PEM path) enables TLS."""
+
+    def __init__(self, address: str, *, token: str, tls_ca: str | Path | None = None,
+                 tls_server_name: str | None = None, max_message_mb: float = 64.0,
+                 retries: int = 6, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
+                 num_experts: int | None = None, compact_routes: bool = False):
+        if not token:
+            raise ValueError("token: a non-empty bearer token is required")
+        if retries < 0:
+            raise ValueError(f"retries: must be >= 0, got {retries}")
+        size = int(max_message_mb * (1 << 20))
+        options = [("grpc.max_receive_message_length", size),
+                   ("grpc.max_send_message_length", size)]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb2_grpc.TrajectoryQueueStub(self._channel)
+        # Hot paths move raw bytes: fastwire encodes/decodes with fewer copies than protobuf.
+        self._put_raw = self._channel.stream_unary(
+            f"/{SERVICE}/Put", response_deserializer=pb2.PutReply.FromString)
+        self._put_batch_raw = self._channel.unary_unary(
+            f"/{SERVICE}/PutBatch", response_deserializer=pb2.PutReply.FromString)
+        self._get_raw = self._channel.unary_unary(
+            f"/{SERVICE}/GetBatch", request_serializer=pb2.GetBatchRequest.SerializeToString)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.address, self.retries, self.max_message_bytes = address, retries, size
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.num_experts, self.compact_routes = num_experts, compact_routes
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.max_backoff_s)
+                    continue
+                cls = _ERRORS.get(code, QueueError)
+                raise cls(f"{what} on {self.address}: {code.name}: {e.details()}", code) from e
+        raise AssertionError("unreachable")
+
+    # -- producer API ---------------------------------------------------------------------
+    def put(self, trajectories: Iterable[Trajectory | Any], *, strict: bool = False,
+            timeout: float | None = None) -> PutResult:
+        """Sends ``trajectories`` (dataclasses, ``pb2.Trajectory`` or wire bytes) to the queue.
+
+        One PutBatch call when they fit in a message, else a client-streaming Put.
+
+        Returns accepted ids and per-item rejections; ``strict=True`` raises
+        :class:`QueueValidationError` instead when any item is rejected.
+        """
+        raws = [t if isinstance(t, bytes) else t.SerializeToString()
+                if isinstance(t, pb2.Trajectory) else encode(t, num_experts=self.num_experts)
+                for t in trajectories]
+        reply = None
+        if len(raws) > 1 and sum(len(r) + 10 for r in raws) + 1024 <= self.max_message_bytes:
+            # one PutBatch message: less per-message overhead than a stream
+            request = b"".join(b"".join((b"\x0a", _varint(len(r)), r)) for r in raws)
+            try:
+                reply = self._call("put", lambda: self._put_batch_raw(
+                    request, timeout=timeout, metadata=self._metadata))
+            except QueueTooLargeError:
+                pass  # over the server's limit (refused whole, nothing stored): stream
+        if reply is None:
+            reply = self._call("put", lambda: self._put_raw(iter(raws), timeout=timeout,
+                                                            metadata=self._metadata))
+        rejected = [Rejection(r.index, r.trajectory_id, r.field, r.message)
+                    for r in reply.rejections]
+        result = PutResult(list(reply.accepted_ids), list(reply.duplicate_ids), rejected)
+        if strict and rejected:
+            raise QueueValidationError(
+                "put: rejected " + "; ".join(f"#{r.index} {r.trajectory_id!r}: {r.message}"
+                                             for r in rejected),
+                grpc.StatusCode.INVALID_ARGUMENT, rejected)
+        return result
+
+    def should_pause(self, worker_version: int) -> PauseDecision:
+        """Whether a worker at ``worker_version`` should stop generating (would be wasted)."""
+        r = self._call("should_pause", lambda: self._stub.ShouldPause(
+            pb2.ShouldPauseRequest(worker_version=worker_version), metadata=self._metadata))
+        return PauseDecision(r.pause, r.reason, r.trainer_version, r.max_lag, r.predicted_lag,
+                             r.pending_fresh)
+
+    # -- trainer API ----------------------------------------------------------------------
+    def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
+                  timeout: float = 0.0, *, allow_partial: bool = False,
+                  redeliver_unacked: bool = False) -> Batch:
+        """Waits up to ``timeout`` s for ``n`` fresh trajectories in whole groups.
+
+        An empty batch (cursor 0) comes back when fewer than ``n`` are ready in time, unless
+        ``allow_partial``. Set ``redeliver_unacked`` on the first call after a trainer restart.
+        Routes are int32 unless the client was made with ``compact_routes=True`` (then
+        read-only uint8/uint16 views, no copy).
+        """
+        request = pb2.GetBatchRequest(n=n, trainer_version=trainer_version, timeout_s=timeout,
+                                      allow_partial=allow_partial,
+                                      redeliver_unacked=redeliver_unacked)
+        if max_lag is not None:
+            request.max_lag = max_lag
+        raw = self._call("get_batch", lambda: self._get_raw(
+            request, timeout=timeout + 60.0, metadata=self._metadata))
+        return self._decode_batch(raw)
+
+    def _decode_batch(self, raw: bytes) -> Batch:
+        """GetBatchReply wire bytes -> Batch, trajectories decoded without protobuf copies."""
+        trajs, hist, cursor, dropped = [], {}, 0, 0
+        for field, _, value in iter_fields(memoryview(raw)):
+            if field == 1:
+                trajs.append(decode(value, compact_routes=self.compact_routes))
+            elif field == 2:
+                cursor = value
+            elif field == 3:
+                entry = dict((f, v) for f, _, v in iter_fields(value))
+                key = entry.get(1, 0)
+                hist[key - (1 << 64) if key >= 1 << 63 else key] = entry.get(2, 0)
+            elif field == 4:
+                dropped = value
+        return Batch(trajs, cursor, hist, dropped)
+
+    def ack(self, cursor: int) -> int:
+        """Marks every delivered batch with cursor <= ``cursor`` consumed; returns how many."""
+        return self._call("ack", lambda: self._stub.Ack(
+            pb2.AckRequest(cursor=cursor), metadata=self._metadata)).acked
+
+    def stats(self) -> dict[str, int]:
+        reply = self._call("stats", lambda: self._stub.Stats(pb2.StatsRequest(),
+                                                             metadata=self._metadata))
+        return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until the health check reports SERVING; QueueUnavailableError after timeout."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise QueueUnavailableError(f"queue at {self.address} not ready after "
+                                            f"{timeout}s: {last}", grpc.StatusCode.UNAVAILABLE)
+            try:
+                r = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                       timeout=min(left, 2.0), wait_for_ready=True)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = f"status {r.status}"
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> QueueClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,436 @@
+"""The queue's logic, independent of gRPC: groups, lag control, delivery, acks, pausing.
+
+Semantics (docs/queue.md has the long form):
+
+* Sequence numbers: every stored trajectory gets the next ``seq`` (1, 2, ...).
+* Groups: GetBatch delivers complete groups only (``group_size`` members of one
+  ``group_id``), oldest group first; ``n`` must be a multiple of each delivered group's size.
+* Lag: ``lag = trainer_version - policy_version``. A group is as stale as its oldest member;
+  a group (complete or not) with ``lag > max_lag`` is dropped whole, counted, and its late
+  members are dropped too.
+* Cursor: a batch's cursor is the largest seq in it. ``Ack(c)`` consumes every delivered,
+  unacknowledged batch whose cursor is <= c (acks are cumulative over batches).
+* Future versions: once a trainer has asked (version V), a Put with
+  ``policy_version > V + 1 + future_slack`` is rejected (V + 1: the trainer publishes
+  weights V + 1 before it asks for the batch of version V + 1).
+* ShouldPause(w): a trajectory started now by a worker at version w is consumed at trainer
+  version ``V' = V_next + pending_fresh // n`` (V_next = V while a GetBatch waits, else
+  V + 1; n = last batch size); pause when ``V' - w > max_lag`` (it would arrive stale, i.e.
+  be wasted) or when ``pending >= max_pending`` (back-pressure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+from satjax.queue.codec import TrajectoryView
+from satjax.queue.store import ConsumerState, Location, RetiredIds, SegmentLog
+from satjax.queue.validation import Limits, Problem, validate
+
+log = logging.getLogger(__name__)
+
+
+class QueueRequestError(ValueError):
+    """A request that cannot be served as asked (bad n, batch too large...)."""
+
+    def __init__(self, message: str, *, too_large: bool = False):
+        super().__init__(message)
+        self.too_large = too_large
+
+
+class QueueClosedError(RuntimeError):
+    """The queue is shutting down; the call may be retried against the restarted server."""
+
+
+class State(enum.Enum):
+    PENDING = 0
+    DELIVERED = 1
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    seq: int
+    trajectory_id: str
+    group_id: str
+    policy_version: int
+    loc: Location
+    state: State = State.PENDING
+    payload: bytes | None = None  # cached record bytes (see QueueConfig.cache_bytes)
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    group_id: str
+    size: int
+    prompt_id: str
+    members: list[Entry] = dataclasses.field(default_factory=list)
+
+    @property
+    def min_version(self) -> int:
+        return min(e.policy_version for e in self.members)
+
+    @property
+    def first_seq(self) -> int:
+        return min(e.seq for e in self.members)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) >= self.size
+
+
+@dataclasses.dataclass
+class PutResult:
+    accepted: list[str]
+    duplicates: list[str]
+    rejections: list[tuple[int, str, Problem]]  # (index, trajectory_id, problem)
+
+
+@dataclasses.dataclass
+class BatchResult:
+    payloads: list[bytes]
+    cursor: int
+    lag_histogram: dict[int, int]
+    dropped_stale: int
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueConfig:
+    fsync: str = "always"
+    segment_bytes: int = 64 << 20
+    max_lag_default: int = 4
+    future_slack: int = 0
+    max_pending: int = 100_000
+    max_reply_bytes: int = 64 << 20
+    dedup_window: int = 1_000_000
+    cache_bytes: int = 256 << 20  # recent payloads kept in memory: GetBatch skips the read
+    limits: Limits = Limits()
+
+
+class TrajectoryQueue:
+    """Thread-safe durable queue; one consumer (the trainer), many producers."""
+
+    def __init__(self, data_dir: str | Path, config: QueueConfig = QueueConfig()):
+        self.config = config
+        self.dir = Path(data_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._state_path = self.dir / "state.json"
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._consumer = ConsumerState.load(self._state_path)
+        self._retired = RetiredIds(self.dir / "retired_ids.jsonl", config.dedup_window)
+        self._log = SegmentLog(self.dir, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        self._entries: dict[int, Entry] = {}        # not yet consumed
+        self._ids: dict[str, int] = {}              # trajectory_id -> seq, records on disk
+        self._groups: dict[str, Group] = {}         # groups with unconsumed members
+        self._dropped_groups: OrderedDict[str, None] = OrderedDict()
+        self._batches: dict[int, list[Entry]] = {}  # cursor -> delivered entries
+        self._seg_ids: dict[int, list[str]] = {}    # segment -> trajectory ids in it
+        self._waiting = 0
+        self._closed = False
+        self._cache: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry holding payload
+        self._cache_size = 0
+        self.counters: Counter[str] = Counter()
+        last = self._consumer.watermark
+        for seq, loc, payload in self._log.replay():
+            msg = TrajectoryView(payload)
+            self._ids[msg.trajectory_id] = seq
+            self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
+            if not self._consumer.is_done(seq):
+                self._index(seq, msg, loc)
+            last = max(last, seq)
+        self._next_seq = last + 1
+        self.counters["accepted_total"] = len(self._ids)
+        self._gc()
+        log.info("queue at %s: %d pending, next seq %d", self.dir, len(self._entries),
+                 self._next_seq)
+
+    # -- helpers (lock held) ----------------------------------------------------------------
+    def _index(self, seq: int, msg: TrajectoryView, loc: Location,
+               payload: bytes | None = None) -> None:
+        entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc)
+        self._entries[seq] = entry
+        if payload is not None and len(payload) <= self.config.cache_bytes:
+            entry.payload = payload
+            self._cache[seq] = entry
+            self._cache_size += len(payload)
+            while self._cache_size > self.config.cache_bytes:
+                self._uncache(next(iter(self._cache)))
+        group = self._groups.get(msg.group_id)
+        if group is None:
+            group = self._groups[msg.group_id] = Group(msg.group_id, msg.group_size,
+                                                       msg.prompt_id)
+        group.members.append(entry)
+
+    def _uncache(self, seq: int) -> None:
+        entry = self._cache.pop(seq, None)
+        if entry is not None and entry.payload is not None:
+            self._cache_size -= len(entry.payload)
+            entry.payload = None
+
+    def _consume(self, entries: list[Entry]) -> None:
+        for e in entries:
+            self._entries.pop(e.seq, None)
+            self._uncache(e.seq)
+            self._consumer.mark_done(e.seq)
+            group = self._groups.get(e.group_id)
+            if group is not None and all(m.seq not in self._entries for m in group.members):
+                del self._groups[e.group_id]
+
+    def _gc(self) -> None:
+        """Deletes inactive segments whose records are all consumed."""
+        active = self._log.active_segment
+        for first, seg in sorted(self._log.segments.items()):
+            if first == active or seg.last_seq > self._consumer.watermark:
+                continue
+            ids = self._seg_ids.pop(first, [])
+            self._retired.add(ids)
+            for tid in ids:
+                self._ids.pop(tid, None)
+            self._log.delete(first)
+            self.counters["segments_deleted"] += 1
+
+    def _save_state(self) -> None:
+        # fsync=never: the rename alone survives a process crash (not a power cut)
+        self._consumer.save(self._state_path, fsync=self.config.fsync != "never")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise QueueClosedError("queue is shutting down")
+
+    def _max_lag(self, max_lag: int | None) -> int:
+        return self.config.max_lag_default if max_lag is None else max_lag
+
+    def _check_group(self, msg: TrajectoryView, staged: dict[str, list]) -> Problem | None:
+        """Members of a group agree on group_size and prompt_id; no more than group_size."""
+        group, mine = self._groups.get(msg.group_id), staged.get(msg.group_id)
+        if group is not None:
+            size, prompt, count = group.size, group.prompt_id, len(group.members)
+        elif mine is not None:
+            size, prompt, count = mine[0], mine[1], 0
+        else:
+            size, prompt, count = msg.group_size, msg.prompt_id, 0
+        count += mine[2] if mine is not None else 0
+        if msg.group_size != size:
+            return Problem("group_size", f"group_size: {msg.group_size} differs from "
+                                         f"{size} of group {msg.group_id!r}")
+        if msg.prompt_id != prompt:
+            return Problem("prompt_id", f"prompt_id: {msg.prompt_id!r} differs from "
+                                        f"{prompt!r} of group {msg.group_id!r}")
+        if count >= size:
+            return Problem("group_id", f"group_id: group {msg.group_id!r} already has its "
+                                       f"{size} members")
+        return None
+
+    # -- producer side ------------------------------------------------------------------------
+    def put(self, items: list[tuple[bytes, TrajectoryView]]) -> PutResult:
+        """Validates and durably stores ``items`` (raw bytes, parsed message) in one write."""
+        problems = [validate(msg, self.config.limits) for _, msg in items]
+        result = PutResult([], [], [])
+        with self._lock:
+            self._check_open()
+            trainer_v = self._consumer.trainer_version
+            newest = trainer_v + 1 + self.config.future_slack
+            staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
+            seen: set[str] = set()
+            to_store: list[tuple[bytes, TrajectoryView]] = []
+            for i, ((raw, msg), bad) in enumerate(zip(items, problems, strict=True)):
+                tid = msg.trajectory_id
+                if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
+                    result.duplicates.append(tid)
+                    result.accepted.append(tid)
+                    continue
+                if bad is None and trainer_v >= 0 and msg.policy_version > newest:
+                    bad = Problem("policy_version", f"policy_version: {msg.policy_version} is "
+                                  f"from the future: the trainer last asked for version "
+                                  f"{trainer_v}, the newest accepted is {newest}")
+                if bad is None:
+                    bad = self._check_group(msg, staged)
+                if bad is not None:
+                    result.rejections.append((i, tid, bad))
+                    continue
+                seen.add(tid)
+                staged.setdefault(msg.group_id, [msg.group_size, msg.prompt_id, 0])[2] += 1
+                to_store.append((raw, msg))
+            if to_store:
+                seq0 = self._next_seq
+                locs = self._log.append(seq0, [raw for raw, _ in to_store])
+                self._next_seq += len(to_store)
+                for j, ((payload, msg), loc) in enumerate(zip(to_store, locs, strict=True)):
+                    self._ids[msg.trajectory_id] = seq0 + j
+                    self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
+                    self._index(seq0 + j, msg, loc, payload)
+                    result.accepted.append(msg.trajectory_id)
+                self._cond.notify_all()
+            self.counters["accepted_total"] += len(to_store)
+            self.counters["duplicates_total"] += len(result.duplicates)
+            self.counters["rejected_total"] += len(result.rejections)
+        return result
+
+    # -- consumer side ------------------------------------------------------------------------
+    def _drop_stale(self, trainer_version: int, max_lag: int) -> int:
+        dropped: list[Entry] = []
+        for gid, group in list(self._groups.items()):
+            pending = [e for e in group.members if e.state is State.PENDING]
+            if not pending:
+                continue
+            if gid in self._dropped_groups or trainer_version - group.min_version > max_lag:
+                dropped.extend(pending)
+                self._dropped_groups[gid] = None
+                if len(self._dropped_groups) > 100_000:
+                    self._dropped_groups.popitem(last=False)
+        self._consume(dropped)
+        return len(dropped)
+
+    def _select(self, n: int) -> list[Group]:
+        ready = [g for g in self._groups.values()
+                 if g.complete and all(e.state is State.PENDING for e in g.members)]
+        ready.sort(key=lambda g: g.first_seq)
+        chosen, total = [], 0
+        for g in ready:
+            if n % g.size:
+                raise QueueRequestError(f"n: {n} is not a multiple of group_size {g.size} "
+                                        f"(group {g.group_id!r})")
+            if total + g.size <= n:
+                chosen.append(g)
+                total += g.size
+            if total == n:
+                break
+        return chosen
+
+    def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
+                  timeout_s: float = 0.0, *, allow_partial: bool = False,
+                  redeliver_unacked: bool = False) -> BatchResult:
+        """Up to ``n`` trajectories in complete, fresh groups (see module docstring)."""
+        if n <= 0:
+            raise QueueRequestError(f"n: must be positive, got {n}")
+        lag = self._max_lag(max_lag)
+        if lag < 0:
+            raise QueueRequestError(f"max_lag: must be >= 0, got {lag}")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            self._check_open()
+            if redeliver_unacked:
+                for entries in self._batches.values():
+                    for e in entries:
+                        e.state = State.PENDING
+                self.counters["redelivered_total"] += sum(map(len, self._batches.values()))
+                self._batches.clear()
+            c = self._consumer
+            changed = (c.trainer_version, c.max_lag, c.batch_n) != (trainer_version, lag, n)
+            c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, n
+            dropped = 0
+            self._waiting += 1
+            try:
+                while True:
+                    dropped += self._drop_stale(trainer_version, lag)
+                    chosen = self._select(n)
+                    total = sum(g.size for g in chosen)
+                    remaining = deadline - time.monotonic()
+                    if total == n or remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                    self._check_open()
+            finally:
+                self._waiting -= 1
+            if total < n and not allow_partial:
+                chosen = []
+            entries = [e for g in chosen for e in sorted(g.members, key=lambda e: e.seq)]
+            size = sum(e.loc.length + 8 for e in entries)
+            if size > self.config.max_reply_bytes:
+                raise QueueRequestError(
+                    f"n: a batch of {n} trajectories is {size} bytes, over the max message "
+                    f"size {self.config.max_reply_bytes}; lower n or raise --max-message-mb",
+                    too_large=True)
+            payloads = [e.payload if e.payload is not None else self._log.read(e.loc)
+                        for e in entries]
+            for e in entries:
+                e.state = State.DELIVERED
+            cursor = max((e.seq for e in entries), default=0)
+            if entries:
+                self._batches[cursor] = entries
+            self.counters["dropped_stale_total"] += dropped
+            self.counters["delivered_total"] += len(entries)
+            if changed or dropped:  # drops and the trainer version survive restarts
+                self._save_state()
+            if dropped:
+                self._gc()
+        hist = Counter(trainer_version - e.policy_version for e in entries)
+        return BatchResult(payloads, cursor, dict(hist), dropped)
+
+    def ack(self, cursor: int) -> tuple[int, int]:
+        """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""
+        with self._lock:
+            self._check_open()
+            done = [k for k in self._batches if k <= cursor]
+            entries = [e for k in done for e in self._batches.pop(k)]
+            self._consume(entries)
+            self._save_state()
+            self.counters["acked_total"] += len(entries)
+            self._gc()
+            return len(entries), self._consumer.watermark
+
+    # -- control ------------------------------------------------------------------------------
+    def should_pause(self, worker_version: int) -> dict:
+        """Decision for a worker at ``worker_version`` (see module docstring)."""
+        with self._lock:
+            c = self._consumer
+            lag = c.max_lag if c.max_lag >= 0 else self.config.max_lag_default
+            pending = [e for e in self._entries.values() if e.state is State.PENDING]
+            out = {"trainer_version": c.trainer_version, "max_lag": lag, "pause": False,
+                   "reason": "", "predicted_lag": 0, "pending_fresh": len(pending)}
+            if len(pending) >= self.config.max_pending:
+                out.update(pause=True, reason=f"{len(pending)} trajectories pending >= "
+                                              f"max_pending {self.config.max_pending}")
+                return out
+            if c.trainer_version < 0:
+                out["reason"] = "no trainer has asked for a batch yet"
+                return out
+            fresh = sum(1 for e in pending if c.trainer_version - e.policy_version <= lag)
+            v_next = c.trainer_version if self._waiting else c.trainer_version + 1
+            predicted = v_next + fresh // max(1, c.batch_n) - worker_version
+            out.update(pending_fresh=fresh, predicted_lag=predicted)
+            if predicted > lag:
+                out.update(pause=True, reason=(
+                    f"a trajectory from version {worker_version} would be consumed at "
+                    f"trainer version {predicted + worker_version}, lag {predicted} > "
+                    f"max_lag {lag}"))
+            return out
+
+    def stats(self) -> dict:
+        with self._lock:
+            pending = sum(1 for e in self._entries.values() if e.state is State.PENDING)
+            return {
+                "pending": pending,
+                "delivered_unacked": len(self._entries) - pending,
+                "accepted_total": self.counters["accepted_total"],
+                "duplicates_total": self.counters["duplicates_total"],
+                "rejected_total": self.counters["rejected_total"],
+                "acked_total": self.counters["acked_total"],
+                "dropped_stale_total": self.counters["dropped_stale_total"],
+                "trainer_version": self._consumer.trainer_version,
+                "max_lag": (self._consumer.max_lag if self._consumer.max_lag >= 0
+                            else self.config.max_lag_default),
+                "watermark": self._consumer.watermark,
+                "segments": len(self._log.segments),
+                "bytes_on_disk": self._log.bytes_on_disk(),
+                "incomplete_groups": sum(1 for g in self._groups.values() if not g.complete),
+                "next_seq": self._next_seq,
+            }
+
+    def shutdown(self) -> None:
+        """Refuses further calls and wakes waiting GetBatch calls (QueueClosedError)."""
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """``shutdown`` and close the log (a call already writing finishes first)."""
+        self.shutdown()
+        with self._lock:
+            self._log.close()

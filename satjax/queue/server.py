@@ -1,0 +1,330 @@
+"""gRPC server of the trajectory queue: ``satjax serve-queue`` or :class:`QueueServer`.
+
+Every call except the standard health check must carry ``authorization: Bearer <token>``
+(checked in constant time); the health service is left open so that orchestrators can
+probe liveness without the secret, and it reveals nothing but SERVING/NOT_SERVING.
+Binds 127.0.0.1 unless told otherwise; TLS when given a certificate and key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from satjax.queue._proto import pb2
+from satjax.queue.codec import TrajectoryView, WireError, _varint, iter_fields
+from satjax.queue.core import (
+    BatchResult,
+    QueueClosedError,
+    QueueConfig,
+    QueueRequestError,
+    TrajectoryQueue,
+)
+from satjax.queue.store import FSYNC_POLICIES
+from satjax.queue.validation import Limits
+
+log = logging.getLogger(__name__)
+
+SERVICE = "satjax.queue.v1.TrajectoryQueue"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
+PUT_CHUNK_ITEMS = 64
+PUT_CHUNK_BYTES = 32 << 20
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call without the right bearer token, health excepted."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return handler
+                break
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        return handler._replace(**{kind: deny})
+
+
+def encode_batch_reply(result: BatchResult) -> bytes:
+    """GetBatchReply wire bytes, splicing stored Trajectory bytes without re-parsing them.
+
+    Field 1 (``repeated Trajectory trajectories``) is length-delimited: tag 0x0A.
+    """
+    meta = pb2.GetBatchReply(cursor=result.cursor, dropped_stale=result.dropped_stale)
+    for lag, count in result.lag_histogram.items():
+        meta.lag_histogram[lag] = count
+    parts = []
+    for payload in result.payloads:
+        parts += (b"\x0a", _varint(len(payload)), payload)
+    parts.append(meta.SerializeToString())
+    return b"".join(parts)
+
+
+def _parse_item(raw: bytes) -> tuple[bytes, TrajectoryView | None]:
+    try:
+        return raw, TrajectoryView(raw)
+    except WireError:
+        return raw, None
+
+
+def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
+    """PutBatchRequest: field 1 repeated Trajectory, sliced out without re-encoding."""
+    try:
+        return [_parse_item(bytes(v)) for f, w, v in iter_fields(memoryview(raw))
+                if f == 1 and w == 2]
+    except WireError:
+        return [(raw, None)]
+
+
+def _guard(fn: Callable) -> Callable:
+    """Maps a closing queue to UNAVAILABLE, which clients retry (e.g. against a restart)."""
+
+    @functools.wraps(fn)
+    def wrapper(request, context):
+        try:
+            return fn(request, context)
+        except QueueClosedError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    return wrapper
+
+
+class QueueService:
+    """The RPC handlers over one :class:`TrajectoryQueue`."""
+
+    def __init__(self, queue: TrajectoryQueue):
+        self.queue = queue
+
+    def _put_items(self, items: Iterable[tuple[bytes, TrajectoryView | None]]) -> pb2.PutReply:
+        reply = pb2.PutReply()
+        chunk: list[tuple[bytes, TrajectoryView]] = []
+        index, chunk_start, chunk_bytes = 0, 0, 0
+
+        def flush():
+            result = self.queue.put(chunk)
+            reply.accepted_ids.extend(result.accepted)
+            reply.duplicate_ids.extend(result.duplicates)
+            for i, tid, problem in result.rejections:
+                reply.rejections.add(index=chunk_start + i, trajectory_id=tid,
+                                     field=problem.field, message=problem.message)
+
+        for raw, msg in items:
+            if msg is None:
+                reply.rejections.add(index=index, field="trajectory",
+                                     message="trajectory: not a valid Trajectory message")
+            else:
+                if not chunk:
+                    chunk_start = index
+                chunk.append((raw, msg))
+                chunk_bytes += len(raw)
+            index += 1
+            if msg is None or len(chunk) >= PUT_CHUNK_ITEMS or chunk_bytes >= PUT_CHUNK_BYTES:
+                if chunk:
+                    flush()
+                chunk, chunk_bytes = [], 0
+        if chunk:
+            flush()
+        return reply
+
+    def put(self, request_iterator, context) -> pb2.PutReply:
+        return self._put_items(request_iterator)
+
+    def put_batch(self, items: list[tuple[bytes, TrajectoryView | None]], context
+                  ) -> pb2.PutReply:
+        return self._put_items(items)
+
+    def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:
+        try:
+            return self.queue.get_batch(
+                request.n, request.trainer_version,
+                request.max_lag if request.HasField("max_lag") else None,
+                request.timeout_s, allow_partial=request.allow_partial,
+                redeliver_unacked=request.redeliver_unacked)
+        except QueueRequestError as e:
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.too_large
+                    else grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(code, str(e))
+
+    def ack(self, request: pb2.AckRequest, context) -> pb2.AckReply:
+        acked, watermark = self.queue.ack(request.cursor)
+        return pb2.AckReply(acked=acked, watermark=watermark)
+
+    def stats(self, request: pb2.StatsRequest, context) -> pb2.StatsReply:
+        return pb2.StatsReply(**self.queue.stats())
+
+    def should_pause(self, request: pb2.ShouldPauseRequest, context) -> pb2.ShouldPauseReply:
+        return pb2.ShouldPauseReply(**self.queue.should_pause(request.worker_version))
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable, request_cls, serializer=None):
+            return grpc.unary_unary_rpc_method_handler(
+                _guard(fn), request_deserializer=request_cls.FromString,
+                response_serializer=serializer or (lambda m: m.SerializeToString()))
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Put": grpc.stream_unary_rpc_method_handler(
+                _guard(self.put), request_deserializer=_parse_item,
+                response_serializer=pb2.PutReply.SerializeToString),
+            "PutBatch": grpc.unary_unary_rpc_method_handler(
+                _guard(self.put_batch), request_deserializer=_parse_put_batch,
+                response_serializer=pb2.PutReply.SerializeToString),
+            "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, encode_batch_reply),
+            "Ack": unary(self.ack, pb2.AckRequest),
+            "Stats": unary(self.stats, pb2.StatsRequest),
+            "ShouldPause": unary(self.should_pause, pb2.ShouldPauseRequest),
+        })
+
+
+class QueueServer:
+    """In-process server: ``QueueServer(data_dir, token).start(port)`` ... ``.stop(grace)``."""
+
+    def __init__(self, data_dir: str | Path, token: str, *, config: QueueConfig | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
+                 max_message_mb: float = 64.0, max_workers: int = 16):
+        if not token:
+            raise ValueError("token: a non-empty bearer token is required")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert/tls_key: give both or neither")
+        if max_message_mb <= 0:
+            raise ValueError(f"max_message_mb: must be positive, got {max_message_mb}")
+        self.max_message_bytes = int(max_message_mb * (1 << 20))
+        config = config or QueueConfig()
+        config = dataclasses.replace(config, max_reply_bytes=self.max_message_bytes - 1024)
+        self.data_dir, self.token, self.config = Path(data_dir), token, config
+        self.tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert else None
+        self.max_workers = max_workers
+        self.queue: TrajectoryQueue | None = None
+        self._server: grpc.Server | None = None
+        self.port: int | None = None
+
+    def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
+        """Opens the queue and serves; returns the bound port (``port=0``: any free one)."""
+        self.queue = TrajectoryQueue(self.data_dir, self.config)
+        options = [("grpc.max_receive_message_length", self.max_message_bytes),
+                   ("grpc.max_send_message_length", self.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers),
+                             interceptors=[BearerTokenInterceptor(self.token)], options=options)
+        server.add_generic_rpc_handlers((QueueService(self.queue).handler(),))
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        address = f"{host}:{port}"
+        if self.tls:
+            key_cert = ((self.tls[1], self.tls[0]),)
+            self.port = server.add_secure_port(address, grpc.ssl_server_credentials(key_cert))
+        else:
+            self.port = server.add_insecure_port(address)
+        if not self.port:
+            self.queue.close()
+            raise OSError(f"could not bind {address}")
+        server.start()
+        for name in ("", SERVICE):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._health, self._server = health_servicer, server
+        return self.port
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stops serving (in-flight calls get ``grace`` seconds), then closes the log."""
+        if self._server is not None:
+            self._health.enter_graceful_shutdown()
+            done = self._server.stop(grace)  # no new calls; in-flight ones get ``grace``
+            if self.queue is not None:
+                self.queue.shutdown()  # a GetBatch waiting for data returns UNAVAILABLE now
+            done.wait()
+            self._server = None
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="satjax serve-queue", description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--token", help=f"bearer token (else --token-file or ${TOKEN_ENV})")
+    p.add_argument("--token-file")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default="always")
+    p.add_argument("--max-message-mb", type=float, default=64.0)
+    p.add_argument("--max-lag-default", type=int, default=4)
+    p.add_argument("--future-slack", type=int, default=0)
+    p.add_argument("--max-pending", type=int, default=100_000)
+    p.add_argument("--num-experts", type=int)
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--max-tokens", type=int, default=131072)
+    p.add_argument("--segment-mb", type=float, default=64.0)
+    p.add_argument("--cache-mb", type=float, default=256.0,
+                   help="recent trajectories kept in memory for GetBatch")
+    p.add_argument("--workers", type=int, default=16)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _token(args: argparse.Namespace) -> str:
+    if args.token:
+        return args.token
+    if args.token_file:
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get(TOKEN_ENV, "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``satjax serve-queue``: serves until SIGTERM/SIGINT, then shuts down gracefully."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = _token(args)
+    if not token:
+        print(f"serve-queue: no token: give --token, --token-file or ${TOKEN_ENV}",
+              file=sys.stderr)
+        return 2
+    limits = Limits(max_tokens=args.max_tokens, num_experts=args.num_experts,
+                    vocab_size=args.vocab_size)
+    config = QueueConfig(fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
+                         max_lag_default=args.max_lag_default, future_slack=args.future_slack,
+                         max_pending=args.max_pending, limits=limits,
+                         cache_bytes=int(args.cache_mb * (1 << 20)))
+    server = QueueServer(args.data_dir, token, config=config, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, max_message_mb=args.max_message_mb,
+                         max_workers=args.workers)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    port = server.start(args.port, args.host)
+    print(f"satjax-queue listening on {args.host}:{port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    log.info("shutting down")
+    server.stop(grace=5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

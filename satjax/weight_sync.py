@@ -1,0 +1,176 @@
+"""Trainer -> worker weight sync through a shared directory.
+
+The trainer publishes each policy version as a Hugging Face checkpoint directory
+(``save_pretrained``: the layout both the built-in engine and vLLM load) plus a
+``manifest.json`` holding the version and a *canary*: the trainer's own log-probs of a
+fixed token sequence at that version. A worker that loads a version recomputes the
+canary and refuses weights whose log-probs disagree, because a silently failed sync
+looks exactly like staleness.
+
+Publishing is atomic: files go to a temporary directory that is renamed into place, and
+the ``LATEST`` pointer is replaced with ``os.replace``. In an exact-lag experiment the
+trainer also writes ``TARGET``: the version workers must serve (``latest - lag``).
+
+Layout::
+
+    sync_dir/v00000012/{config.json, model.safetensors, manifest.json}
+    sync_dir/LATEST     "12"
+    sync_dir/TARGET     "10"   (optional)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from satjax.utils import atomic_write, fsync_dir
+
+MANIFEST = "manifest.json"
+
+
+class WeightSyncError(RuntimeError):
+    """A published version is missing, incomplete, or fails its canary check."""
+
+
+def _version_dir(sync_dir: Path, version: int) -> Path:
+    return sync_dir / f"v{version:08d}"
+
+
+class WeightPublisher:
+    """Writes versions into ``sync_dir``; keeps the newest ``keep`` of them."""
+
+    def __init__(self, sync_dir: str | os.PathLike[str], *, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep: must be >= 1, got {keep}")
+        self.sync_dir = Path(sync_dir)
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def publish(
+        self,
+        version: int,
+        write_checkpoint: Callable[[Path], None],
+        *,
+        canary: dict[str, Any] | None = None,
+        target_version: int | None = None,
+    ) -> Path:
+        """Publishes ``version``. ``write_checkpoint(dir)`` writes the weights into ``dir``
+        (normally ``lambda d: save_pretrained(model, d)``). ``canary`` holds
+        ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer at this version."""
+        final = _version_dir(self.sync_dir, version)
+        if final.exists():
+            raise WeightSyncError(f"version {version} was already published at {final}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.sync_dir))
+        try:
+            write_checkpoint(tmp)
+            manifest = {"version": int(version), "published_unix": time.time(),
+                        "canary": canary}
+            atomic_write(tmp / MANIFEST, json.dumps(manifest))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, final)
+            fsync_dir(self.sync_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        atomic_write(self.sync_dir / "LATEST", str(version))
+        if target_version is not None:
+            atomic_write(self.sync_dir / "TARGET", str(target_version))
+        self._collect(protect=target_version)
+        return final
+
+    def _collect(self, protect: int | None) -> None:
+        versions = sorted(published_versions(self.sync_dir))
+        for v in versions[: -self.keep]:
+            if v != protect:
+                shutil.rmtree(_version_dir(self.sync_dir, v), ignore_errors=True)
+
+
+def published_versions(sync_dir: str | os.PathLike[str]) -> list[int]:
+    """Complete versions present in ``sync_dir`` (in-progress temp dirs excluded)."""
+    out = []
+    for p in Path(sync_dir).glob("v*"):
+        if p.is_dir() and (p / MANIFEST).exists():
+            try:
+                out.append(int(p.name[1:]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class WeightSubscriber:
+    """The worker side: which version to serve, where it is, and its canary."""
+
+    def __init__(self, sync_dir: str | os.PathLike[str]) -> None:
+        self.sync_dir = Path(sync_dir)
+
+    def wanted_version(self) -> int | None:
+        """``TARGET`` if the trainer set one (exact-lag mode), else ``LATEST``."""
+        target = _read_int(self.sync_dir / "TARGET")
+        return target if target is not None else _read_int(self.sync_dir / "LATEST")
+
+    def latest_version(self) -> int | None:
+        """The newest version the trainer published."""
+        return _read_int(self.sync_dir / "LATEST")
+
+    def checkpoint_dir(self, version: int) -> Path:
+        path = _version_dir(self.sync_dir, version)
+        if not (path / MANIFEST).exists():
+            raise WeightSyncError(f"version {version} is not published in {self.sync_dir}")
+        return path
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        data = json.loads((self.checkpoint_dir(version) / MANIFEST).read_text())
+        if data.get("version") != version:
+            raise WeightSyncError(
+                f"manifest of {self.checkpoint_dir(version)} says version "
+                f"{data.get('version')}, expected {version}"
+            )
+        return data
+
+    def wait_for(self, version: int, timeout: float = 60.0, poll: float = 0.05) -> Path:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.checkpoint_dir(version)
+            except WeightSyncError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(poll)
+
+
+def check_canary(
+    manifest: dict[str, Any], engine_logprobs: list[float], *, atol: float
+) -> float:
+    """Max abs difference between the engine's canary log-probs and the trainer's;
+    raises :class:`WeightSyncError` above ``atol``."""
+    canary = manifest.get("canary")
+    if not canary:
+        return 0.0
+    ref = [float(x) for x in canary["logprobs"]]
+    if len(ref) != len(engine_logprobs):
+        raise WeightSyncError(
+            f"canary length mismatch: trainer {len(ref)}, engine {len(engine_logprobs)}"
+        )
+    err = max((abs(a - b) for a, b in zip(ref, engine_logprobs, strict=True)), default=0.0)
+    if not err <= atol:
+        raise WeightSyncError(
+            f"weight sync canary failed for version {manifest.get('version')}: "
+            f"max |logprob diff| {err:.3g} > {atol:.3g}; the engine is not running the "
+            f"published weights"
+        )
+    return err

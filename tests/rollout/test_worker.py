@@ -1,0 +1,138 @@
+"""The built-in rollout worker end to end through a real in-process queue server."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from satjax.data.pipeline import prompt_dataset
+from satjax.data.tasks import ArithmeticTask
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
+from satjax.model.sampling import SamplingParams
+from satjax.model.tokenizer import CharTokenizer
+from satjax.queue.client import QueueClient
+from satjax.queue.server import QueueServer
+from satjax.rollout.builtin_engine import BuiltinEngine, canary_logprobs
+from satjax.rollout.worker import RolloutWorker, WorkerConfig
+from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
+
+TOKEN = "worker-test-token"
+
+
+def _model(tok, seed):
+    cfg = Qwen3MoeConfig.tiny(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    return Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def _publish(pub, model, version, tokens, **kw):
+    pub.publish(version, lambda d: save_pretrained(model, str(d)),
+                canary={"tokens": tokens, "logprobs": canary_logprobs(model, tokens)}, **kw)
+
+
+@pytest.fixture()
+def queue(tmp_path):
+    server = QueueServer(tmp_path / "queue", TOKEN)
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
+    client.wait_ready(timeout=30)
+    yield client
+    client.close()
+    server.stop(1.0)
+
+
+def test_builtin_worker_through_queue_with_weight_sync(tmp_path, queue):
+    tok = CharTokenizer()
+    task = ArithmeticTask()
+    pub = WeightPublisher(tmp_path / "weights")
+    canary = [tok.bos_id, *tok.encode("1+2=3"), tok.eos_id]
+    m0, m1 = _model(tok, 0), _model(tok, 1)
+    _publish(pub, m0, 0, canary)
+    engine = BuiltinEngine("float32", pad_id=tok.pad_id)
+    cfg = WorkerConfig(group_size=4, prompts_per_batch=2, worker_id="t",
+                       sampling=SamplingParams(temperature=1.0, max_new_tokens=4,
+                                               stop_token_ids=(tok.eos_id,)))
+    worker = RolloutWorker(engine, task, tok, queue, WeightSubscriber(tmp_path / "weights"),
+                           iter(prompt_dataset(task, seed=0)), cfg)
+    assert worker.run(max_batches=1, install_signal_handlers=False) == 8
+    got = queue.get_batch(8, trainer_version=0, max_lag=0, timeout=10)
+    assert len(got.trajectories) == 8 and {t.policy_version for t in got.trajectories} == {0}
+    L, k = len(m0.config.moe_layer_indices), m0.config.num_experts_per_tok
+    for t in got.trajectories:
+        assert t.routed_experts.shape == (t.num_tokens - 1, L, k)
+        assert len(t.behavior_logprobs) == len(t.response_tokens) >= 1
+        assert np.all(t.behavior_logprobs <= 0) and t.reward in (0.0, 1.0)
+        assert t.engine == "satjax-builtin" and t.group_size == 4
+    # the fp32 engine's logprobs are the published model's teacher-forced ones
+    t = got.trajectories[0]
+    ids = jnp.asarray([np.concatenate([t.prompt_tokens, t.response_tokens])])
+    lp = jnp.take_along_axis(
+        jax_log_softmax(m0(ids).logits[0, :-1]), ids[0, 1:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(np.asarray(lp[-len(t.response_tokens):]), t.behavior_logprobs,
+                               atol=1e-5)
+    queue.ack(got.cursor)
+
+    # a new version is picked up, canary-checked and stamped on the next trajectories
+    _publish(pub, m1, 1, canary)
+    assert worker.run(max_batches=1, install_signal_handlers=False) == 16
+    assert engine.version == 1
+    got = queue.get_batch(8, trainer_version=1, max_lag=0, timeout=10)
+    assert {t.policy_version for t in got.trajectories} == {1}
+
+
+def jax_log_softmax(x):
+    return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+
+
+def test_canary_catches_wrong_weights(tmp_path, queue):
+    """Weights that do not reproduce the trainer's canary are refused, not served."""
+    tok = CharTokenizer()
+    pub = WeightPublisher(tmp_path / "weights")
+    canary = [tok.bos_id, *tok.encode("9+9=18"), tok.eos_id]
+    good, other = _model(tok, 0), _model(tok, 5)
+    # the manifest claims the canary of `good` but the files hold `other`
+    pub.publish(0, lambda d: save_pretrained(other, str(d)),
+                canary={"tokens": canary, "logprobs": canary_logprobs(good, canary)})
+    worker = RolloutWorker(BuiltinEngine("float32"), ArithmeticTask(), tok, queue,
+                           WeightSubscriber(tmp_path / "weights"), iter([]), WorkerConfig())
+    with pytest.raises(WeightSyncError, match="canary failed"):
+        worker.maybe_sync()
+
+
+def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
+    """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
+    replay the trainer applies exactly the engine's experts (flip rate 0)."""
+    from satjax.train.batch import make_batch
+    from satjax.train.logprobs import token_logprobs
+
+    tok = CharTokenizer()
+    task = ArithmeticTask()
+    model = _model(tok, 3)
+    engine = BuiltinEngine("bfloat16", pad_id=tok.pad_id)
+    engine.set_model(model, 0)
+    worker = RolloutWorker(
+        engine, task, tok, None, None, iter(prompt_dataset(task, seed=1)),
+        WorkerConfig(group_size=4, prompts_per_batch=8, worker_id="mm",
+                     sampling=SamplingParams(temperature=1.0, max_new_tokens=6,
+                                             stop_token_ids=(tok.eos_id,))),
+    )
+    trajectories = worker.generate_groups()
+    L, k = len(model.config.moe_layer_indices), model.config.num_experts_per_tok
+    batch = make_batch(trajectories, buckets=(32,), pad_id=tok.pad_id, num_layers_moe=L, top_k=k)
+    batch = jax.tree.map(jnp.asarray, batch)
+    metrics = {}
+    for replay in (False, True):
+        lp, aux = token_logprobs(model, batch, replay=replay)
+        log_ratio = (batch.behavior_logprobs - lp) * batch.loss_mask
+        kl_k3 = float(jnp.sum((jnp.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask)
+                      / jnp.sum(batch.loss_mask))
+        metrics[replay] = {k_: float(v) for k_, v in aux.items() if k_.startswith("router_mis")}
+        metrics[replay]["kl_k3"] = kl_k3
+    print("bf16 engine vs fp32 trainer:", metrics)
+    off, on = metrics[False], metrics[True]
+    assert 0 < off["router_mismatch"] < 0.5  # bf16 numerics flip some expert sets
+    assert off["router_mismatch_applied"] == off["router_mismatch"]
+    assert on["router_mismatch_applied"] == 0.0  # replay: the trainer uses the engine's experts
+    assert on["router_mismatch"] == off["router_mismatch"]  # the router itself is unchanged
+    assert 0 < off["kl_k3"] < 0.1 and 0 <= on["kl_k3"] < 0.1

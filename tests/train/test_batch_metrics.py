@@ -1,0 +1,93 @@
+"""make_batch (alignment, bucketing, padding, routes) and the metrics logger."""
+
+import json
+
+import numpy as np
+import pytest
+
+from satjax.train.batch import make_batch, pick_bucket
+from satjax.train.metrics import MetricsLogger
+from satjax.trajectory import Trajectory
+
+L, K = 2, 2
+
+
+def traj(tid, group, P, N, *, routes=True, reward=1.0, version=3):
+    r = np.random.default_rng(abs(hash(tid)) % 2**32)
+    return Trajectory(
+        trajectory_id=tid,
+        group_id=group,
+        prompt_id=group,
+        prompt_tokens=r.integers(3, 40, P).astype(np.int32),
+        response_tokens=r.integers(3, 40, N).astype(np.int32),
+        behavior_logprobs=-r.random(N).astype(np.float32),
+        policy_version=version,
+        reward=reward,
+        group_size=2,
+        routed_experts=r.integers(0, 8, (P + N - 1, L, K)).astype(np.int32) if routes else None,
+    )
+
+
+def test_alignment_and_padding():
+    ts = [
+        traj("a", "g0", 3, 4),
+        traj("b", "g1", 2, 2),
+        traj("c", "g0", 5, 1),
+        traj("d", "g1", 1, 3),
+    ]
+    b = make_batch(ts, buckets=(4, 8, 16), batch_multiple=3)
+    assert b.tokens.shape == (6, 8)  # T: longest 7 -> bucket 8; B: 4 -> lcm(3, 2) multiple
+    assert b.group_size == 2
+    # groups contiguous, in first-seen order: a, c (g0) then b, d (g1)
+    assert list(b.group_ids) == [0, 0, 1, 1, 2, 2]
+    a = ts[0]
+    np.testing.assert_array_equal(
+        b.tokens[0, :7], np.concatenate([a.prompt_tokens, a.response_tokens])
+    )
+    assert b.attention_mask[0].tolist() == [1] * 7 + [0]
+    assert b.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
+    np.testing.assert_array_equal(b.behavior_logprobs[0, 3:7], a.behavior_logprobs)
+    np.testing.assert_array_equal(b.routes[0, :6], a.routed_experts)
+    assert not b.routes[0, 6:].any()  # last real position and padding zero-filled
+    assert np.asarray(b.route_mask())[0].tolist() == [True] * 6 + [False] * 2
+    # padding rows fully masked, version -1
+    assert not b.attention_mask[4:].any() and not b.loss_mask[4:].any()
+    assert b.policy_versions.tolist() == [3, 3, 3, 3, -1, -1]
+
+
+def test_precomputed_advantages_follow_trajectories():
+    ts = [
+        traj("a", "g0", 2, 2),
+        traj("b", "g1", 2, 2),
+        traj("c", "g0", 2, 2),
+        traj("d", "g1", 2, 2),
+    ]
+    b = make_batch(ts, buckets=(8,), advantages=[1.0, 2.0, 3.0, 4.0])
+    assert b.advantages.tolist() == [1.0, 3.0, 2.0, 4.0]  # reordered with their rows
+
+
+def test_errors_name_the_culprit():
+    ts = [traj("short", "g", 2, 2), traj("too-long", "g", 10, 10)]
+    with pytest.raises(ValueError, match="'too-long' has 20 tokens"):
+        make_batch(ts, buckets=(8, 16))
+    with pytest.raises(ValueError, match="group 'g' has 1 members"):
+        make_batch(ts[:1], buckets=(64,))
+    mixed = [traj("x", "g", 2, 2), traj("y", "g", 2, 2, routes=False)]
+    with pytest.raises(ValueError, match="'y' has no routed_experts"):
+        make_batch(mixed)
+    bad = traj("z", "h", 2, 2)
+    bad.routed_experts = bad.routed_experts[:-1]
+    with pytest.raises(ValueError, match="'z': routed_experts shape"):
+        make_batch([bad, traj("w", "h", 2, 2)])
+    assert pick_bucket(65, (64, 128)) == 128 and pick_bucket(129, (64, 128)) is None
+
+
+def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        written = log.log(1, {"loss": np.float32(0.5), "vec": np.zeros(3), "bad": float("nan")})
+        log.log(2, {"loss": 0.25})
+    assert set(written) == {"loss", "bad"}
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert lines[0]["loss"] == 0.5 and lines[0]["bad"] == "nan" and lines[1]["loss"] == 0.25
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
