@@ -1,0 +1,59 @@
+"""Pure-jnp policy-gradient losses, SAT kernels, IS corrections and advantages.
+
+One module per family, everything re-exported here (``satjax.losses.X``):
+
+* :mod:`~satjax.losses.policy_gradient`: ``ppo_clip_loss``, ``grpo_loss``, ``gspo_loss``,
+  ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_gspo_loss``, ``clipped_surrogate``,
+  ``AUX_KEYS``;
+* :mod:`~satjax.losses.sat`: ``sat_interval`` (Hill and Gauss kernels);
+* :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
+* :mod:`~satjax.losses.advantages`: ``group_advantages``;
+* :mod:`~satjax.losses.quantile`: ``masked_quantile``, ``masked_mean``;
+* :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
+  objective (``SatGspoHParams``, ...), the choice tuples ``KERNELS``, ``SCALES``,
+  ``PROXIES``, ``IS_LEVELS``.
+
+:mod:`satjax.objectives` wraps the losses as named objectives ``fn(logprobs, batch)``.
+"""
+
+from satjax.losses.advantages import group_advantages
+from satjax.losses.corrections import mis_mask, tis_weights
+from satjax.losses.hparams import (
+    IS_CORRECTIONS,
+    IS_LEVELS,
+    KERNELS,
+    PROXIES,
+    SCALES,
+    GrpoHParams,
+    GspoHParams,
+    GspoTokenHParams,
+    HParams,
+    PpoClipHParams,
+    SatGspoHParams,
+    SatKernelHParams,
+    SatPpoHParams,
+    SequenceClipHParams,
+    TokenClipHParams,
+)
+from satjax.losses.policy_gradient import (
+    AUX_KEYS,
+    clipped_surrogate,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    ppo_clip_loss,
+    sat_gspo_loss,
+    sat_ppo_loss,
+)
+from satjax.losses.quantile import masked_mean, masked_quantile
+from satjax.losses.sat import sat_interval
+
+__all__ = [
+    "AUX_KEYS", "IS_CORRECTIONS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
+    "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
+    "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
+    "TokenClipHParams",
+    "clipped_surrogate", "group_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss",
+    "masked_mean", "masked_quantile", "mis_mask", "ppo_clip_loss", "sat_gspo_loss",
+    "sat_interval", "sat_ppo_loss", "tis_weights",
+]

@@ -1,0 +1,49 @@
+"""Advantage estimators: GRPO's group-relative advantages."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from satjax.losses._checks import check_finite_where_valid, compute_dtype
+from satjax.losses.hparams import check_hparams
+
+Array = jax.Array
+
+
+def group_advantages(rewards: Array, group_size: int, *, normalize_std: bool = True,
+                     eps: float = 1e-6) -> Array:
+    """GRPO group-relative advantages, float [B] from rewards [B].
+
+    Consecutive blocks of ``group_size`` rows are one prompt's group:
+    ``A = r - mean_group(r)``, divided by ``std_group(r) + eps`` (population std, ddof=0,
+    so a group of one is well defined) when ``normalize_std``.
+
+    References:
+      GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
+      in Open Language Models", arXiv:2402.03300.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax.losses import group_advantages
+      >>> r = jnp.array([1.0, 0.0, 3.0, 3.0])  # two groups of two
+      >>> group_advantages(r, 2, normalize_std=False).tolist()
+      [0.5, -0.5, 0.0, 0.0]
+    """
+    r = jnp.asarray(rewards)
+    if r.ndim != 1:
+        raise ValueError(f"rewards: must have shape [B], got {r.shape}")
+    if not isinstance(group_size, int | np.integer) or group_size < 1:
+        raise ValueError(f"group_size: must be a positive int, got {group_size!r}")
+    if r.shape[0] % group_size:
+        raise ValueError(f"group_size: must divide the batch size {r.shape[0]}, "
+                         f"got {group_size!r}")
+    check_hparams(eps=eps)
+    check_finite_where_valid("rewards", r, jnp.ones(r.shape, bool))
+    r = r.astype(compute_dtype(r))
+    g = r.reshape(-1, group_size)
+    a = g - jnp.mean(g, axis=1, keepdims=True)
+    if normalize_std:
+        a = a / (jnp.std(g, axis=1, keepdims=True) + eps)
+    return a.reshape(-1)

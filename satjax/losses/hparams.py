@@ -1,0 +1,153 @@
+"""Hyperparameters of every objective: the one place their defaults and ranges are written.
+
+One frozen dataclass per objective, built from shared parts: :class:`HParams` (clip
+radii and the rollout/trainer importance-sampling correction), its sequence-level
+(GSPO-family, radii ~1e-4) and token-level (PPO/GRPO, radii ~0.2) defaults, and
+:class:`SatKernelHParams` (the SAT contraction kernel). Constructing one validates it, so an
+instance is always in range::
+
+    >>> from satjax.losses import SatGspoHParams
+    >>> SatGspoHParams(lam=0.5).lam
+    0.5
+    >>> SatGspoHParams(lam=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: lam: must be <= 1.0, got 1.5
+
+The loss functions take their keyword defaults from these classes and validate their
+hyperparameter arguments with :func:`check_hparams` (the same ranges, the same messages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, get_args
+
+from satjax.losses._checks import check_choice, check_range
+
+Kernel = Literal["hill", "gauss"]
+Scale = Literal["rms", "mad"]
+Proxy = Literal["sequence", "token"]
+ISLevel = Literal["token", "sequence"]
+ISCorrection = Literal["tis", "mis"] | None
+
+KERNELS: tuple[str, ...] = get_args(Kernel)
+SCALES: tuple[str, ...] = get_args(Scale)
+PROXIES: tuple[str, ...] = get_args(Proxy)
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
+IS_CORRECTIONS: tuple[str | None, ...] = (None, *get_args(get_args(ISCorrection)[0]))
+
+# Choice-valued hyperparameters, by argument name (static under jit: they change the program).
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "kernel": KERNELS, "scale": SCALES, "proxy": PROXIES, "level": IS_LEVELS,
+    "is_level": IS_LEVELS, "is_correction": IS_CORRECTIONS,
+}
+_IS_THRESHOLD = {"low": 0.0, "low_open": True}
+# Ranges of the numeric hyperparameters, by argument name (traced under jit).
+RANGES: dict[str, dict[str, Any]] = {
+    "eps_low": {"low": 0.0},
+    "eps_high": {"low": 0.0},
+    "lam": {"low": 0.0, "high": 1.0},
+    "c": {"low": 0.0},
+    "w": {"low": 0.0, "low_open": True},
+    "quantile": {"low": 0.0, "high": 1.0},
+    "c_min": {"low": 0.0, "high": 1.0},
+    "threshold": _IS_THRESHOLD,  # tis_weights / mis_mask spell is_threshold this way
+    "is_threshold": _IS_THRESHOLD,
+    "low_threshold": {"low": 0.0},
+    "eps": {"low": 0.0},
+}
+
+
+def check_hparams(**values: Any) -> None:
+    """Validate hyperparameters by name; numbers are skipped when traced (see ``_checks``)."""
+    for name, value in values.items():
+        if name in CHOICES:
+            check_choice(name, value, CHOICES[name])
+        else:
+            check_range(name, value, **RANGES[name])
+
+
+class _Validated:
+    def __post_init__(self) -> None:
+        check_hparams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HParams(_Validated):
+    """What every objective has: clip radii ``[1 - eps_low, 1 + eps_high]`` and the IS
+    correction.
+
+    ``is_correction`` None | "tis" (:func:`~satjax.losses.tis_weights`) | "mis"
+    (:func:`~satjax.losses.mis_mask`) with ``is_threshold`` and ``is_level``.
+    """
+
+    eps_low: float
+    eps_high: float
+    is_correction: ISCorrection = None
+    is_threshold: float = 2.0
+    is_level: ISLevel = "token"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceClipHParams(HParams):
+    """GSPO-family radii: the ratio is a per-sequence geometric mean, so it stays near 1."""
+
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenClipHParams(HParams):
+    """Token-level radii (DAPO's clip-higher asymmetry)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SatKernelHParams(_Validated):
+    """SAT contraction kernel (:func:`~satjax.losses.sat_interval` documents each field)."""
+
+    c: float = 1.0
+    w: float = 1.0
+    lam: float = 1.0
+    kernel: Kernel = "hill"
+    quantile: float = 0.9
+    c_min: float = 0.1
+    scale: Scale = "rms"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GspoHParams(SequenceClipHParams):
+    """:func:`~satjax.losses.gspo_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GspoTokenHParams(SequenceClipHParams):
+    """:func:`~satjax.losses.gspo_token_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SatGspoHParams(SatKernelHParams, SequenceClipHParams):
+    """:func:`~satjax.losses.sat_gspo_loss` (the project's default objective)."""
+
+    proxy: Proxy = "sequence"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoHParams(TokenClipHParams):
+    """:func:`~satjax.losses.grpo_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpoClipHParams(TokenClipHParams):
+    """:func:`~satjax.losses.ppo_clip_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SatPpoHParams(SatKernelHParams, TokenClipHParams):
+    """:func:`~satjax.losses.sat_ppo_loss`."""
+
+
+SAT_DEFAULTS = SatKernelHParams()  # what the SAT functions' keyword defaults read

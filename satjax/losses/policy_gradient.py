@@ -1,0 +1,510 @@
+"""Pure-jnp policy-gradient losses: PPO-clip, GRPO, GSPO, GSPO-token, SAT-PPO, SAT-GSPO.
+
+Every function here is pure (no hidden state, no randomness) and safe under ``jax.jit``,
+``jax.vmap`` and ``jax.grad``. Conventions shared by all losses:
+
+* ``logprobs`` float [B, T]: current policy log-probs of the sampled response tokens
+  (the only input gradients flow into).
+* ``behavior_logprobs`` float [B, T]: log-probs reported by the rollout engine (mu).
+* ``advantages`` float [B]: one advantage per sequence.
+* ``mask`` 0/1 float or bool [B, T]: 1 marks a valid response token. Invalid entries may
+  hold anything (even nan/inf); they never reach the loss. Rows without any valid token
+  are ignored.
+* ``old_logprobs`` optional float [B, T]: an explicit old/proximal policy. When given the
+  importance ratio is taken against it (``ref`` below; else ``ref = mu``); the SAT
+  staleness proxy is always taken against ``behavior_logprobs`` (docs/objectives.md).
+* ``token_weights`` optional float [B, T]: detached multiplicative weights (e.g.
+  :func:`~satjax.losses.tis_weights` or :func:`~satjax.losses.mis_mask`). Token-level
+  losses multiply each token's surrogate; sequence-level losses multiply each sequence's
+  surrogate by the mean weight of its valid tokens. Normalisers are not changed by the
+  weights.
+
+Every loss returns ``(loss, aux)`` where ``loss`` is a scalar to *minimise* and ``aux`` is
+a dict with exactly the keys in :data:`AUX_KEYS` (scalars, detached), so a trainer can log
+a fixed key set whatever the objective. Hyperparameter defaults and ranges come from
+:mod:`satjax.losses.hparams`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from satjax.losses._checks import check_finite_where_valid, check_shape, compute_dtype, is_concrete
+from satjax.losses.hparams import CHOICES, RANGES, SAT_DEFAULTS, SatGspoHParams, check_hparams
+from satjax.losses.quantile import masked_mean
+from satjax.losses.sat import sign_selected_bounds, tail_factor
+
+Array = jax.Array
+
+AUX_KEYS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "sat_tail_frac",
+    "sat_newly_clipped_frac",
+    "sat_min_factor",
+    "sat_mean_lo_radius",
+    "sat_mean_hi_radius",
+    "proxy_abs_mean",
+    "proxy_abs_max",
+    "kl_k3",
+    "ratio_min",
+    "ratio_mean",
+    "ratio_max",
+)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _masked_min(x: Array, valid: Array, neutral: float) -> Array:
+    return jnp.min(jnp.where(valid, x, jnp.asarray(jnp.inf, x.dtype)), initial=neutral)
+
+
+def _masked_max(x: Array, valid: Array, neutral: float) -> Array:
+    return jnp.max(jnp.where(valid, x, jnp.asarray(-jnp.inf, x.dtype)), initial=neutral)
+
+
+def clipped_surrogate(ratio: Array, advantages: Array, lo: Array | float,
+                      hi: Array | float) -> Array:
+    """Elementwise PPO surrogate ``min(r*A, clip(r, lo, hi)*A)`` (to maximise).
+
+    All arguments broadcast together; returns their broadcast shape.
+
+    References:
+      PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
+      arXiv:1707.06347.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax.losses import clipped_surrogate
+      >>> print(clipped_surrogate(jnp.array([0.5, 1.5, 1.5]), jnp.array([1.0, 1.0, -1.0]),
+      ...                         0.8, 1.2))
+      [ 0.5  1.2 -1.5]
+    """
+    # Same value and gradient as the min form, but A = 0 with r = inf gives 0, not nan.
+    return jnp.where(advantages >= 0, jnp.minimum(ratio, hi), jnp.maximum(ratio, lo)) * advantages
+
+
+def _ratio(log_ratio: Array) -> Array:
+    """exp of a log-ratio capped at half the dtype's overflow point (44 in float32).
+
+    The cap only bites on degenerate inputs (ratios above ~1e19), where it keeps the loss
+    and its gradient finite instead of inf/nan; there the gradient of the ratio is 0.
+    """
+    cap = 0.5 * float(np.log(jnp.finfo(log_ratio.dtype).max))
+    return jnp.exp(jnp.minimum(log_ratio, cap))
+
+
+# --------------------------------------------------------------------------- batch prep
+
+
+def _validate_batch(logprobs: Array, behavior_logprobs: Array, advantages: Array,
+                    mask: Array, old_logprobs: Array | None,
+                    token_weights: Array | None) -> None:
+    """Shape checks always; value checks (empty mask, nan/inf) only on concrete inputs."""
+    lp = logprobs
+    if jnp.ndim(lp) != 2:
+        raise ValueError(f"logprobs: must have shape [B, T], got {jnp.shape(lp)}")
+    b, t = jnp.shape(lp)
+    check_shape("behavior_logprobs", behavior_logprobs, (b, t), "logprobs.shape")
+    check_shape("mask", mask, (b, t), "logprobs.shape")
+    check_shape("advantages", advantages, (b,), "[B]")
+    if old_logprobs is not None:
+        check_shape("old_logprobs", old_logprobs, (b, t), "logprobs.shape")
+    if token_weights is not None:
+        check_shape("token_weights", token_weights, (b, t), "logprobs.shape")
+    valid = jnp.asarray(mask).astype(bool)
+    if is_concrete(valid) and not bool(np.any(np.asarray(valid))):
+        raise ValueError("mask: must have at least one valid token, got all entries 0")
+    check_finite_where_valid("logprobs", lp, valid)
+    check_finite_where_valid("behavior_logprobs", behavior_logprobs, valid)
+    if old_logprobs is not None:
+        check_finite_where_valid("old_logprobs", old_logprobs, valid)
+    check_finite_where_valid("advantages", advantages, jnp.ones((b,), bool))
+    if token_weights is not None:
+        check_finite_where_valid("token_weights", token_weights, valid)
+
+
+def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+             old_logprobs: Array | None, token_weights: Array | None) -> dict[str, Array]:
+    """Masked, promoted arrays shared by every loss (see module docstring)."""
+    _validate_batch(logprobs, behavior_logprobs, advantages, mask, old_logprobs,
+                    token_weights)
+    lp = jnp.asarray(logprobs)
+    valid = jnp.asarray(mask).astype(bool)
+    dt = compute_dtype(lp)
+    zero = jnp.zeros((), dt)
+
+    def clean(x: Array) -> Array:  # masked entries -> 0 so nan/inf padding never leaks
+        return jnp.where(valid, jnp.asarray(x).astype(dt), zero)
+
+    lp_c = clean(lp)
+    mu = jax.lax.stop_gradient(clean(behavior_logprobs))
+    ref = mu if old_logprobs is None else jax.lax.stop_gradient(clean(old_logprobs))
+    vf = valid.astype(dt)
+    lengths = jnp.sum(vf, axis=1)
+    out = {
+        "lp": lp_c,
+        "mu": mu,
+        "ref": ref,
+        "valid": valid,
+        "vf": vf,
+        "lengths": lengths,
+        "row_valid": lengths > 0,
+        "adv": jax.lax.stop_gradient(jnp.asarray(advantages).astype(dt)),
+    }
+    out["w"] = (vf if token_weights is None
+                else jax.lax.stop_gradient(clean(token_weights)))
+    # Token log-ratio against the ratio reference, and the staleness proxy vs behaviour.
+    out["log_ratio"] = lp_c - ref
+    out["d_tok"] = jax.lax.stop_gradient(lp_c - mu)
+    return out
+def _seq_mean(x: Array, p: Mapping[str, Array]) -> Array:
+    """Per-row mean over valid tokens, [B, T] -> [B] (0 for empty rows)."""
+    return jnp.sum(x * p["vf"], axis=1) / jnp.maximum(p["lengths"], 1.0)
+
+
+def _kl_k3(p: Mapping[str, Array]) -> Array:
+    """k3 estimate of KL(behaviour || current) on behaviour samples, masked token mean."""
+    r = p["d_tok"]
+    return masked_mean(_ratio(r) - 1.0 - r, p["valid"])
+
+
+def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
+         lo: Array, hi: Array, eps_low: Any, eps_high: Any,
+         factor: Array | None) -> dict[str, Array]:
+    """Scalar metrics over valid units (rows for sequence losses, tokens otherwise)."""
+    dt = ratio.dtype
+    one = jnp.ones((), dt)
+    lo_ppo = 1.0 - jnp.asarray(eps_low, dt)
+    hi_ppo = 1.0 + jnp.asarray(eps_high, dt)
+    below, above = ratio < lo, ratio > hi
+    aux = {
+        "clip_frac_low": masked_mean(below.astype(dt), units_valid),
+        "clip_frac_high": masked_mean(above.astype(dt), units_valid),
+        "proxy_abs_mean": masked_mean(jnp.abs(proxy), units_valid),
+        "proxy_abs_max": _masked_max(jnp.abs(proxy), units_valid, 0.0),
+        "kl_k3": _kl_k3(p),
+        "ratio_min": _masked_min(ratio, units_valid, 1.0),
+        "ratio_mean": masked_mean(ratio, units_valid),
+        "ratio_max": _masked_max(ratio, units_valid, 1.0),
+    }
+    if factor is None:  # neutral SAT metrics for non-SAT losses
+        aux.update(sat_tail_frac=jnp.zeros((), dt), sat_newly_clipped_frac=jnp.zeros((), dt),
+                   sat_min_factor=one, sat_mean_lo_radius=jnp.asarray(eps_low, dt) * one,
+                   sat_mean_hi_radius=jnp.asarray(eps_high, dt) * one)
+    else:
+        newly = (below | above) & (ratio >= lo_ppo) & (ratio <= hi_ppo)
+        aux.update(
+    sat_tail_frac=masked_mean((factor < 1.0).astype(dt), units_valid),
+            sat_newly_clipped_frac=masked_mean(newly.astype(dt), units_valid),
+            sat_min_factor=_masked_min(factor, units_valid, 1.0),
+            sat_mean_lo_radius=masked_mean(jnp.broadcast_to(1.0 - lo, ratio.shape),
+                                            units_valid),
+            sat_mean_hi_radius=masked_mean(jnp.broadcast_to(hi - 1.0, ratio.shape),
+                                            units_valid),
+        )
+    return {k: jax.lax.stop_gradient(aux[k]) for k in AUX_KEYS}
+
+
+# --------------------------------------------------------------------------- jit wrapper
+
+
+def _jit_loss(impl):
+    """Validate eagerly (inputs and hyperparameters), then run ``impl`` under ``jax.jit``.
+
+    String hyperparameters are static; numbers are traced, so sweeping them does not
+    recompile. Inside an outer jit/grad the inner jit is simply inlined.
+    """
+    signature = inspect.signature(impl)
+    static = tuple(k for k in CHOICES if k in signature.parameters)
+    jitted = jax.jit(impl, static_argnames=static)
+
+    @functools.wraps(impl)
+    def wrapper(*args: Any, **kwargs: Any) -> tuple[Array, dict[str, Array]]:
+        given = signature.bind(*args, **kwargs).arguments
+        check_hparams(**{k: v for k, v in given.items() if k in CHOICES or k in RANGES})
+        _validate_batch(*(given.get(k) for k in ("logprobs", "behavior_logprobs",
+                                                 "advantages", "mask", "old_logprobs",
+                                                 "token_weights")))
+        return jitted(*args, **kwargs)
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------- sequence level
+
+
+def _sequence_objective(p: Mapping[str, Array], lo: Array | float,
+                        hi: Array | float) -> tuple[Array, Array]:
+    """GSPO core: (loss, ratio [B]) with s_i = exp(mean_t log-ratio), bounds [B] or scalar."""
+    s = _ratio(_seq_mean(p["log_ratio"], p))
+    seq_w = _seq_mean(p["w"], p)
+    j = clipped_surrogate(s, p["adv"], lo, hi) * seq_w
+    return -masked_mean(j, p["row_valid"]), s
+
+
+def _ppo_bounds(p: Mapping[str, Array], eps_low: Any, eps_high: Any) -> tuple[Array, Array]:
+    dt = p["lp"].dtype
+    return 1.0 - jnp.asarray(eps_low, dt), 1.0 + jnp.asarray(eps_high, dt)
+
+
+@_jit_loss
+def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GSPO: sequence-level clipped surrogate on the length-normalised ratio.
+
+    ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
+    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-mean_i J_i`` over valid sequences. Shapes: [B, T] inputs, [B] advantages,
+    scalar loss (module docstring).
+
+    References:
+      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 2)
+      (-0.1, 0.5)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    loss, s = _sequence_objective(p, lo, hi)
+    proxy = _seq_mean(p["d_tok"], p)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"], proxy=proxy,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@_jit_loss
+def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                  *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
+                  w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
+                  kernel: str = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
+                  c_min: float = SAT_DEFAULTS.c_min, scale: str = SAT_DEFAULTS.scale,
+                  proxy: str = SatGspoHParams.proxy, old_logprobs: Array | None = None,
+                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """SAT-GSPO: GSPO with staleness-adaptive, sign-selected per-sequence clip bounds.
+
+    ``J_i = min(s_i A_i, clip(s_i, lo_i, hi_i) A_i)`` with GSPO's ``s_i`` and
+    ``(lo_i, hi_i)`` from :func:`~satjax.losses.sat_interval` on the staleness proxy;
+    loss = ``-mean_i J_i`` over valid sequences.
+
+    ``proxy="sequence"``: ``d_i = sg(mean_t (lp - mu))`` [B], kernel statistics over the
+    valid sequences. ``proxy="token"``: ``d_{i,t} = sg(lp - mu)`` [B, T], statistics over
+    the valid tokens; sequence i's high radius is contracted by the minimum factor over its
+    tokens with d > 0 and its low radius by the minimum over its tokens with d < 0.
+    Other arguments: :func:`~satjax.losses.sat_interval` and :func:`gspo_loss`.
+
+    References:
+      SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); GSPO: Zheng et al.
+      2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+
+    Example (the stale first row gets a tighter high bound; ``lam=0`` is GSPO exactly):
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.sat_gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["sat_min_factor"]), 4)
+      (-0.0895, 0.895)
+      >>> float(losses.sat_gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2,
+      ...                            lam=0.0)[0]) == float(
+      ...     losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)[0])
+      True
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    kw = dict(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min, scale=scale)
+    d_seq = _seq_mean(p["d_tok"], p)
+    if proxy == "sequence":
+        f = tail_factor(d_seq, p["row_valid"], **kw)
+        lo, hi = sign_selected_bounds(d_seq, f, f, eps_low, eps_high)
+    else:
+        ft = tail_factor(p["d_tok"], p["valid"], **kw)
+        one = jnp.ones((), ft.dtype)
+        # Sign selection per token: tokens with d > 0 can only shrink the row's high
+        # radius, tokens with d < 0 only its low radius (each by the row's minimum).
+        f_hi = jnp.min(jnp.where(p["valid"] & (p["d_tok"] > 0), ft, one), axis=1)
+        f_lo = jnp.min(jnp.where(p["valid"] & (p["d_tok"] < 0), ft, one), axis=1)
+        lo = 1.0 - jnp.asarray(eps_low, ft.dtype) * f_lo
+        hi = 1.0 + jnp.asarray(eps_high, ft.dtype) * f_hi
+        f = jnp.minimum(f_lo, f_hi)
+    loss, s = _sequence_objective(p, lo, hi)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"], proxy=d_seq,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)
+    return loss, aux
+
+
+@_jit_loss
+def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array,
+                    mask: Array, *, eps_low: float, eps_high: float,
+                    old_logprobs: Array | None = None,
+                    token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GSPO-token: ``s_{i,t} = sg(s_i) * pi_t / sg(pi_t)``, token surrogate, seq-mean.
+
+    ``J_{i,t} = min(s_{i,t} A_i, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-mean_i mean_t J_{i,t}``. Same value as :func:`gspo_loss` and, with one
+    advantage per sequence and no token weights, the same gradient; token weights act per
+    token (through the gradient). Shapes: module docstring.
+
+    References:
+      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071
+      (the GSPO-token variant).
+
+    Example (the value equals GSPO's):
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, _ = losses.gspo_token_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4)
+      -0.1
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    s = _ratio(_seq_mean(p["log_ratio"], p))
+    s_tok = jax.lax.stop_gradient(s)[:, None] * jnp.exp(
+    p["lp"] - jax.lax.stop_gradient(p["lp"]))
+    j = clipped_surrogate(s_tok, p["adv"][:, None], lo, hi) * p["w"]
+    loss = -masked_mean(_seq_mean(j, p), p["row_valid"])
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"],
+               proxy=_seq_mean(p["d_tok"], p), lo=lo, hi=hi, eps_low=eps_low,
+               eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+# --------------------------------------------------------------------------- token level
+
+
+def _token_terms(p: Mapping[str, Array], lo: Array | float,
+                 hi: Array | float) -> tuple[Array, Array]:
+    """Per-token weighted surrogate [B, T] (0 at invalid tokens) and the token ratio."""
+    r = _ratio(p["log_ratio"])
+    j = clipped_surrogate(r, p["adv"][:, None], lo, hi) * p["w"] * p["vf"]
+    return j, r
+
+
+@_jit_loss
+def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                  *, eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """Token-level PPO-clip; loss = -(sum of token surrogates) / (number of valid tokens).
+
+    ``r_{i,t} = exp(lp_{i,t} - ref_{i,t})``,
+    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-sum_{i,t} J_{i,t} / #valid tokens``. The token-mean over the whole batch
+    weights long sequences more (DAPO-style), unlike :func:`grpo_loss`, which averages
+    within each sequence first. Shapes: module docstring.
+
+    References:
+      PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
+      arXiv:1707.06347.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.ppo_clip_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (-0.4, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi)
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@_jit_loss
+def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GRPO: token-level clip, each sequence's token surrogates averaged over its length,
+    then averaged over sequences (every sequence weighs the same; cf. :func:`ppo_clip_loss`).
+
+    With ``J_{i,t}`` as in :func:`ppo_clip_loss`: loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``
+    over valid sequences, ``|o_i|`` the number of valid tokens of row i. The
+    KL-to-reference penalty of the GRPO paper is not included (add it in the trainer;
+    ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy). Shapes: module
+    docstring.
+
+    References:
+      GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
+      in Open Language Models", arXiv:2402.03300.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, _ = losses.grpo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4)
+      -0.05
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi)
+    per_seq = jnp.sum(j, axis=1) / jnp.maximum(p["lengths"], 1.0)
+    loss = -masked_mean(per_seq, p["row_valid"])
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@_jit_loss
+def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                 *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
+                 w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
+                 kernel: str = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
+                 c_min: float = SAT_DEFAULTS.c_min, scale: str = SAT_DEFAULTS.scale,
+                 old_logprobs: Array | None = None,
+                 token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """Token-level SAT: PPO-clip (token-mean) with per-token bounds from ``d = sg(lp - mu)``.
+
+    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, lo_{i,t}, hi_{i,t}) A_i)`` with
+    ``(lo, hi)`` = :func:`~satjax.losses.sat_interval` of ``d`` [B, T], kernel statistics
+    over the valid tokens of the batch; loss = ``-sum J / #valid tokens``.
+
+    References:
+      SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); PPO: Schulman et al.
+      2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.sat_ppo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["sat_tail_frac"]), 4)
+      (-0.3854, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    f = tail_factor(p["d_tok"], p["valid"], c=c, w=w, lam=lam, kernel=kernel,
+                    quantile=quantile, c_min=c_min, scale=scale)
+    lo, hi = sign_selected_bounds(p["d_tok"], f, f, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi)
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)
+    return loss, aux
