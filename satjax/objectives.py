@@ -14,10 +14,27 @@ Usage with Optax (three lines)::
 ``batch["old_logprobs"]`` (when present, else the detached current log-probs) over the
 behaviour log-probs. ``aux`` holds :data:`satjax.losses.AUX_KEYS` plus ``is_weight_mean``
 and ``is_kept_frac`` (1.0 without correction).
+
+Hyperparameters, their defaults and ranges are the dataclasses of
+:mod:`satjax.losses.hparams`; :func:`hparams` validates a name and a mapping up front::
+
+    >>> from satjax import objectives
+    >>> hp = objectives.hparams("gspo", {"eps_high": 1e-3})
+    >>> type(hp).__name__, hp.eps_low, hp.eps_high
+    ('GspoHParams', 0.0003, 0.001)
+    >>> objectives.hparams("gspo", {"eps_high": -1.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: eps_high: must be >= 0.0, got -1.0
+    >>> objectives.hparams("gspo", {"lam": 0.5})
+    Traceback (most recent call last):
+    ...
+    ValueError: gspo hyperparameters: must be among [...], got unknown ['lam']
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,65 +42,82 @@ import jax
 import jax.numpy as jnp
 
 from satjax import losses
+from satjax.losses import hparams as hp_lib
 
 Objective = Callable[[jax.Array, Mapping[str, Any]], tuple[jax.Array, dict[str, jax.Array]]]
 
-_IS = {"is_correction": None, "is_threshold": 2.0, "is_level": "token"}
-_SAT = {"c": 1.0, "w": 1.0, "lam": 1.0, "kernel": "hill", "quantile": 0.9, "c_min": 0.1,
-        "scale": "rms"}
-_SEQ_EPS = {"eps_low": 3e-4, "eps_high": 4e-4}
-_TOK_EPS = {"eps_low": 0.2, "eps_high": 0.28}
+# name -> (its hyperparameter dataclass, its loss function)
+_REGISTRY: dict[str, tuple[type[hp_lib.HParams], Callable[..., Any]]] = {
+    "sat_gspo": (hp_lib.SatGspoHParams, losses.sat_gspo_loss),
+    "gspo": (hp_lib.GspoHParams, losses.gspo_loss),
+    "gspo_token": (hp_lib.GspoTokenHParams, losses.gspo_token_loss),
+    "grpo": (hp_lib.GrpoHParams, losses.grpo_loss),
+    "ppo_clip": (hp_lib.PpoClipHParams, losses.ppo_clip_loss),
+    "sat_ppo": (hp_lib.SatPpoHParams, losses.sat_ppo_loss),
+}
 
+NAMES: tuple[str, ...] = tuple(_REGISTRY)
+IS_CORRECTIONS = hp_lib.IS_CORRECTIONS
+
+# Every objective's defaults as a plain dict (derived from the dataclasses, for display).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "sat_gspo": {**_SEQ_EPS, **_SAT, "proxy": "sequence", **_IS},
-    "gspo": {**_SEQ_EPS, **_IS},
-    "gspo_token": {**_SEQ_EPS, **_IS},
-    "grpo": {**_TOK_EPS, **_IS},
-    "ppo_clip": {**_TOK_EPS, **_IS},
-    "sat_ppo": {**_TOK_EPS, **_SAT, **_IS},
+    name: dataclasses.asdict(cls()) for name, (cls, _) in _REGISTRY.items()
 }
 
-_LOSSES: dict[str, Callable[..., tuple[jax.Array, dict[str, jax.Array]]]] = {
-    "sat_gspo": losses.sat_gspo_loss,
-    "gspo": losses.gspo_loss,
-    "gspo_token": losses.gspo_token_loss,
-    "grpo": losses.grpo_loss,
-    "ppo_clip": losses.ppo_clip_loss,
-    "sat_ppo": losses.sat_ppo_loss,
-}
-
+_IS_FIELDS = tuple(f.name for f in dataclasses.fields(hp_lib.HParams)
+                   if f.name.startswith("is_"))
 _REQUIRED_KEYS = ("behavior_logprobs", "advantages", "mask")
-IS_CORRECTIONS = (None, "tis", "mis")
+
+
+def _check_name(name: str) -> None:
+    if name not in _REGISTRY:
+        raise ValueError(f"objective: must be one of {NAMES}, got {name!r}")
+
+
+def hparams(name: str, values: Mapping[str, Any] | None = None) -> hp_lib.HParams:
+    """The validated hyperparameters of objective ``name``: its defaults updated by ``values``.
+
+    Raises:
+      ValueError: ``name`` is not one of :data:`NAMES`; a key of ``values`` is not a
+        hyperparameter of that objective (the message names it and lists the allowed
+        ones); or a value is out of range (the dataclass's own message).
+    """
+    _check_name(name)
+    cls = _REGISTRY[name][0]
+    values = dict(values or {})
+    allowed = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name} hyperparameters: must be among {allowed}, "
+                         f"got unknown {unknown}")
+    return cls(**values)
 
 
 def _batch_get(batch: Mapping[str, Any], key: str) -> Any:
     if key not in batch:
-        raise ValueError(f"batch is missing key {key!r}; required: {_REQUIRED_KEYS}")
+        raise ValueError(f"batch: must have key {key!r} (required: {_REQUIRED_KEYS}), "
+                         f"got keys {sorted(batch)}")
     return batch[key]
 
 
-def make(name: str, **hp: Any) -> Objective:
-    """Objective ``name`` with :data:`DEFAULTS` overridden by ``hp``.
+def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /,
+         **overrides: Any) -> Objective:
+    """Objective ``name`` with its defaults overridden by ``hp`` and then ``overrides``.
 
-    Raises ValueError naming an unknown objective or hyperparameter.
+    ``hp`` is a mapping or an instance of the objective's own dataclass (e.g.
+    ``make("gspo", GspoHParams(eps_high=1e-3))``). Raises ValueError naming an unknown
+    objective or hyperparameter, or an out-of-range value (see :func:`hparams`).
     """
-    if name not in DEFAULTS:
-        raise ValueError(f"unknown objective {name!r}; expected one of {tuple(DEFAULTS)}")
-    unknown = sorted(set(hp) - set(DEFAULTS[name]))
-    if unknown:
-        raise ValueError(f"unknown hyperparameter(s) {unknown} for objective {name!r}; "
-                         f"accepted: {sorted(DEFAULTS[name])}")
-    cfg = {**DEFAULTS[name], **hp}
-    correction = cfg.pop("is_correction")
-    threshold = cfg.pop("is_threshold")
-    level = cfg.pop("is_level")
-    if correction not in IS_CORRECTIONS:
-        raise ValueError(f"unknown is_correction {correction!r}; expected one of "
-                         f"{IS_CORRECTIONS}")
-    if correction is not None:
-        losses._check_hparam("is_threshold", threshold, low=0.0, low_open=True)
-        losses._check_choice("is_level", level, losses.IS_LEVELS)
-    loss_fn = _LOSSES[name]
+    _check_name(name)
+    cls, loss_fn = _REGISTRY[name]
+    if isinstance(hp, hp_lib.HParams):
+        if type(hp) is not cls:
+            raise ValueError(f"hp: must be a {cls.__name__} for objective {name!r}, "
+                             f"got {type(hp).__name__}")
+        hp = dataclasses.asdict(hp)
+    cfg = hparams(name, {**dict(hp or {}), **overrides})
+    loss_kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _IS_FIELDS}
+    correction = cfg.is_correction
 
     def objective(logprobs: jax.Array, batch: Mapping[str, Any]):
         mu = _batch_get(batch, "behavior_logprobs")
@@ -94,17 +128,18 @@ def make(name: str, **hp: Any) -> Objective:
         if correction is not None:
             trainer_lp = old if old is not None else jax.lax.stop_gradient(logprobs)
             is_fn = losses.tis_weights if correction == "tis" else losses.mis_mask
-            weights = is_fn(trainer_lp, mu, threshold=threshold, mask=mask, level=level)
+            weights = is_fn(trainer_lp, mu, threshold=cfg.is_threshold, mask=mask,
+                            level=cfg.is_level)
         loss, aux = loss_fn(logprobs, mu, adv, mask, old_logprobs=old,
-                            token_weights=weights, **cfg)
+                            token_weights=weights, **loss_kw)
         one = jnp.ones((), loss.dtype)
         if weights is None:
             aux["is_weight_mean"] = one
             aux["is_kept_frac"] = one
         else:
             valid = jnp.asarray(mask).astype(bool)
-            aux["is_weight_mean"] = losses._masked_mean(weights.astype(loss.dtype), valid)
-            aux["is_kept_frac"] = losses._masked_mean((weights > 0).astype(loss.dtype), valid)
+            aux["is_weight_mean"] = losses.masked_mean(weights.astype(loss.dtype), valid)
+            aux["is_kept_frac"] = losses.masked_mean((weights > 0).astype(loss.dtype), valid)
         return loss, aux
 
     objective.__name__ = name
@@ -113,7 +148,12 @@ def make(name: str, **hp: Any) -> Objective:
 
 
 def sat_gspo(**hp: Any) -> Objective:
-    """SAT-GSPO (the project's default objective); see :func:`satjax.losses.sat_gspo_loss`."""
+    """SAT-GSPO (the project's default objective); see :func:`satjax.losses.sat_gspo_loss`.
+
+    >>> from satjax import objectives
+    >>> objectives.sat_gspo(eps_low=1e-3).__name__
+    'sat_gspo'
+    """
     return make("sat_gspo", **hp)
 
 

@@ -1,0 +1,116 @@
+"""satjax.losses.hparams and objectives.hparams: validation, and each default written once."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from satjax import losses as L
+from satjax import objectives
+from satjax.losses import hparams as H
+
+_SAT_FIELDS = {f.name for f in dataclasses.fields(H.SatKernelHParams)}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("eps_low", -0.1), ("eps_high", float("nan")), ("lam", 1.5), ("lam", -0.1), ("c", -1.0),
+    ("w", 0.0), ("quantile", 1.2), ("c_min", 2.0), ("kernel", "cauchy"), ("scale", "std"),
+    ("proxy", "row"), ("is_correction", "clip"), ("is_threshold", 0.0), ("is_level", "row"),
+])
+def test_dataclass_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: must be .*, got {value!r}$"):
+        H.SatGspoHParams(**{field: value})
+
+
+def test_dataclasses_are_frozen_and_valid_by_default():
+    for name in objectives.NAMES:
+        hp = objectives.hparams(name)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            hp.eps_low = 1.0  # type: ignore[misc]
+    assert H.SatGspoHParams(lam=0.0, kernel="gauss").kernel == "gauss"
+
+
+def test_hparams_unknown_objective_lists_the_names():
+    with pytest.raises(ValueError, match="sat_gpso") as err:
+        objectives.hparams("sat_gpso")
+    assert all(name in str(err.value) for name in objectives.NAMES)
+
+
+def test_hparams_unknown_key_names_it_and_lists_the_allowed():
+    with pytest.raises(ValueError, match="epsilon") as err:
+        objectives.hparams("gspo", {"epsilon": 0.1})
+    assert "eps_low" in str(err.value) and "is_threshold" in str(err.value)
+    with pytest.raises(ValueError, match="proxy"):  # a SAT-only knob on a non-SAT objective
+        objectives.hparams("gspo", {"proxy": "token"})
+
+
+def test_hparams_bad_value_is_the_dataclass_message():
+    with pytest.raises(ValueError, match=r"^lam: must be <= 1.0, got 2.0$"):
+        objectives.hparams("sat_ppo", {"lam": 2.0})
+
+
+def test_hparams_returns_the_objective_dataclass_with_overrides():
+    hp = objectives.hparams("sat_gspo", {"lam": 0.5, "proxy": "token"})
+    assert isinstance(hp, H.SatGspoHParams)
+    assert (hp.lam, hp.proxy, hp.eps_low) == (0.5, "token", H.SatGspoHParams().eps_low)
+    assert objectives.hparams("gspo", None) == H.GspoHParams()
+
+
+def test_names_cover_every_objective_constructor():
+    assert set(objectives.NAMES) == set(objectives.DEFAULTS)
+    for name in objectives.NAMES:
+        assert getattr(objectives, name)().__name__ == name
+
+
+# ----------------------------------------------------------------- each default written once
+
+
+@pytest.mark.parametrize("name", objectives.NAMES)
+def test_loss_keyword_defaults_are_the_dataclass_defaults(name):
+    """Every keyword default of a loss equals its objective's dataclass default."""
+    fn = getattr(L, f"{name}_loss")
+    defaults = dataclasses.asdict(objectives.hparams(name))
+    params = inspect.signature(fn).parameters
+    with_defaults = {k: p.default for k, p in params.items()
+                     if p.default is not inspect.Parameter.empty
+                     and k not in ("old_logprobs", "token_weights")}
+    assert with_defaults == {k: v for k, v in defaults.items()
+                             if k in with_defaults}
+    # every hyperparameter of the dataclass except the IS ones and the radii is a loss kwarg
+    # with a default, so there is no second place it could be written.
+    expected = set(defaults) - {"eps_low", "eps_high", "is_correction", "is_threshold",
+                                "is_level"}
+    assert set(with_defaults) == expected
+
+
+def test_sat_interval_and_correction_defaults_are_the_dataclass_defaults():
+    params = inspect.signature(L.sat_interval).parameters
+    sat = dataclasses.asdict(H.SatKernelHParams())
+    assert {k: params[k].default for k in _SAT_FIELDS} == sat
+    for fn in (L.tis_weights, L.mis_mask):
+        assert inspect.signature(fn).parameters["level"].default == H.HParams.is_level
+
+
+@pytest.mark.parametrize("name", objectives.NAMES)
+def test_constructor_and_make_defaults_are_the_dataclass_defaults(name):
+    expected = dataclasses.asdict(objectives.hparams(name))
+    assert objectives.DEFAULTS[name] == expected
+    doc = getattr(objectives, name)().__doc__
+    assert repr(objectives.hparams(name)) in doc
+    assert repr(objectives.hparams(name)) in objectives.make(name).__doc__
+
+
+def test_make_accepts_a_dataclass_instance():
+    hp = H.GspoHParams(eps_high=1e-3)
+    assert repr(hp) in objectives.make("gspo", hp).__doc__
+    assert repr(H.GspoHParams(eps_high=1e-3, eps_low=1e-4)) in objectives.make(
+        "gspo", hp, eps_low=1e-4).__doc__
+    with pytest.raises(ValueError, match="GspoHParams"):
+        objectives.make("sat_gspo", hp)
+
+
+def test_the_radii_defaults_by_level():
+    for name in ("sat_gspo", "gspo", "gspo_token"):
+        assert isinstance(objectives.hparams(name), H.SequenceClipHParams)
+    for name in ("grpo", "ppo_clip", "sat_ppo"):
+        assert isinstance(objectives.hparams(name), H.TokenClipHParams)

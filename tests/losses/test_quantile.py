@@ -1,0 +1,50 @@
+"""satjax.losses.quantile: the masked quantile matches numpy; the masked mean."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from satjax import losses as L
+
+FAST = settings(max_examples=5, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+_QUANTILE = {m: jax.jit(lambda x, q, mask, m=m: L.masked_quantile(x, q, mask, method=m))
+             for m in ("sort", "bisect")}
+
+
+@FAST
+@given(seed=st.integers(0, 10_000), n_valid=st.integers(1, 300), q=st.floats(0, 1),
+       ties=st.booleans())
+def test_masked_quantile_matches_numpy(seed, n_valid, q, ties):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(2, 300).astype(np.float32)
+    if ties:
+        x = np.round(x)
+    m = np.zeros(300, bool)
+    m[rng.permutation(300)[:n_valid]] = True
+    ref = np.quantile(x[m].astype(np.float64), q)
+    for method in ("sort", "bisect"):
+        got = float(_QUANTILE[method](jnp.asarray(x), q, jnp.asarray(m)))
+        assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+def test_masked_quantile_empty_mask_is_zero():
+    for method in ("sort", "bisect"):
+        assert float(L.masked_quantile(jnp.ones(4), 0.9, jnp.zeros(4, bool),
+                                       method=method)) == 0.0
+
+
+def test_masked_quantile_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="method"):
+        L.masked_quantile(jnp.ones(4), 0.5, method="median")
+
+
+def test_masked_mean_ignores_invalid_entries_and_is_zero_when_empty():
+    x = jnp.asarray([1.0, 2.0, jnp.inf])
+    assert float(L.masked_mean(jnp.where(jnp.isfinite(x), x, 0.0),
+                               jnp.asarray([True, True, False]))) == 1.5
+    assert float(L.masked_mean(jnp.ones(3), jnp.zeros(3, bool))) == 0.0
