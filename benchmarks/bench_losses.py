@@ -24,7 +24,10 @@ import numpy as np
 
 from satjax import losses
 
-EPS = {"eps_low": 3e-4, "eps_high": 4e-4}
+# Each objective's own default radii (the GSPO family's and the token-level ones).
+EPS = {"eps_low": losses.GspoHParams.eps_low, "eps_high": losses.GspoHParams.eps_high}
+TOK_EPS = {"eps_low": losses.PpoClipHParams.eps_low,
+           "eps_high": losses.PpoClipHParams.eps_high}
 
 
 def make_batch(b: int, t: int, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -62,8 +65,8 @@ def main() -> None:
         "sat_gspo[hill,token]": grad_fn(losses.sat_gspo_loss, proxy="token", **EPS),
         "sat_gspo[gauss,token]": grad_fn(losses.sat_gspo_loss, proxy="token",
                                          kernel="gauss", **EPS),
-        "ppo_clip": grad_fn(losses.ppo_clip_loss, eps_low=0.2, eps_high=0.28),
-        "sat_ppo[hill]": grad_fn(losses.sat_ppo_loss, eps_low=0.2, eps_high=0.28),
+        "ppo_clip": grad_fn(losses.ppo_clip_loss, **TOK_EPS),
+        "sat_ppo[hill]": grad_fn(losses.sat_ppo_loss, **TOK_EPS),
     }
     for fn in variants.values():  # compile + warm up
         jax.block_until_ready(fn(*batch))
