@@ -69,6 +69,9 @@ def check_hparams(**values: Any) -> None:
 
 
 class _Validated:
+    """Checks every field at construction, so an instance is always in range (including
+    fields the other settings leave unused, e.g. ``is_threshold`` without a correction)."""
+
     def __post_init__(self) -> None:
         check_hparams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 

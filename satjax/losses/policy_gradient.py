@@ -264,8 +264,11 @@ def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
 
     ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
     ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
-    loss = ``-mean_i J_i`` over valid sequences. Shapes: [B, T] inputs, [B] advantages,
-    scalar loss (module docstring).
+    loss = ``-mean_i J_i`` over valid sequences.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
@@ -308,6 +311,10 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     the valid tokens; sequence i's high radius is contracted by the minimum factor over its
     tokens with d > 0 and its low radius by the minimum over its tokens with d < 0.
     Other arguments: :func:`~satjax.losses.sat_interval` and :func:`gspo_loss`.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); GSPO: Zheng et al.
@@ -359,7 +366,11 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
     ``J_{i,t} = min(s_{i,t} A_i, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
     loss = ``-mean_i mean_t J_{i,t}``. Same value as :func:`gspo_loss` and, with one
     advantage per sequence and no token weights, the same gradient; token weights act per
-    token (through the gradient). Shapes: module docstring.
+    token (through the gradient).
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071
@@ -409,7 +420,11 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
     loss = ``-sum_{i,t} J_{i,t} / #valid tokens``. The token-mean over the whole batch
     weights long sequences more (DAPO-style), unlike :func:`grpo_loss`, which averages
-    within each sequence first. Shapes: module docstring.
+    within each sequence first.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
@@ -444,8 +459,11 @@ def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     With ``J_{i,t}`` as in :func:`ppo_clip_loss`: loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``
     over valid sequences, ``|o_i|`` the number of valid tokens of row i. The
     KL-to-reference penalty of the GRPO paper is not included (add it in the trainer;
-    ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy). Shapes: module
-    docstring.
+    ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy).
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
@@ -484,6 +502,10 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
     ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, lo_{i,t}, hi_{i,t}) A_i)`` with
     ``(lo, hi)`` = :func:`~satjax.losses.sat_interval` of ``d`` [B, T], kernel statistics
     over the valid tokens of the batch; loss = ``-sum J / #valid tokens``.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
       SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); PPO: Schulman et al.
