@@ -262,7 +262,7 @@ class QueueServer:
             self.queue = None
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     # defaults: the run config's for fsync / max lag (via QueueSettings), the library's else
     d, limits = QueueSettings(), Limits()
     p = argparse.ArgumentParser(prog="satjax serve-queue", description=__doc__.splitlines()[0])
@@ -301,7 +301,7 @@ def _token(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``satjax serve-queue``: serves until SIGTERM/SIGINT, then shuts down gracefully."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = _token(args)

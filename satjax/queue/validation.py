@@ -174,8 +174,9 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
         if num_experts is None:
             num_experts = source
         elif source is not None and source != num_experts:
-            return Problem("routed_experts", f"routed_experts.num_experts: must be consistent "
-                                             f"with E = {num_experts}, got {source!r}")
+            return Problem("routed_experts", f"routed_experts.num_experts: E must agree across "
+                                             f"server, producer and router_logits, got "
+                                             f"{num_experts!r} and {source!r}")
     if num_experts is not None and r.shape[2] > num_experts:
         return Problem("routed_experts", f"routed_experts.shape: k must be <= num_experts "
                                          f"{num_experts}, got {r.shape[2]!r}")
