@@ -64,7 +64,6 @@ _ARRAY_FIELDS = {_TRAJ[n]: n for n in ("prompt_tokens", "response_tokens",
 _UINT32_FIELDS = {_TRAJ[n]: n for n in ("schema_version", "group_size")}
 _TIMING_FIELDS = {num: name for name, num in _TIMING.items()}
 _REWARD_DETAILS = _TRAJ["reward_details"]  # the one repeated field of Trajectory
-_SHAPE = _ROUTES["shape"]                   # the one repeated field of RoutedExperts/Logits
 
 
 def route_dtype_name(routes: np.ndarray, num_experts: int | None) -> str:

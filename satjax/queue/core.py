@@ -270,15 +270,12 @@ class Deliveries:
             self._batches[cursor] = entries
         return cursor
 
-    def requeue_all(self) -> int:
-        """Makes every unacknowledged entry pending again; returns how many."""
-        count = 0
+    def requeue_all(self) -> None:
+        """Makes every unacknowledged entry pending again."""
         for entries in self._batches.values():
             for e in entries:
                 e.state = State.PENDING
-            count += len(entries)
         self._batches.clear()
-        return count
 
     def take_acked(self, cursor: int) -> list[Entry]:
         """Entries of every batch whose cursor is <= ``cursor`` (acks are cumulative)."""
@@ -338,7 +335,7 @@ class TrajectoryQueue:
         self._cache = PayloadCache(settings.cache_bytes)
         self._waiting = 0
         self._closed = False
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()  # the *_total fields of StatsReply
         last = self._consumer.watermark
         for seq, loc, payload in self._log.replay():
             msg = TrajectoryView(payload)
@@ -380,7 +377,6 @@ class TrajectoryQueue:
             for tid in ids:
                 self._ids.pop(tid, None)
             self._log.delete(first)
-            self.counters["segments_deleted"] += 1
 
     def _save_state(self) -> None:
         # fsync=never: the rename alone survives a process crash (not a power cut)
@@ -460,10 +456,12 @@ class TrajectoryQueue:
         with self._lock:
             self._check_open()
             if redeliver_unacked:
-                self.counters["redelivered_total"] += self._deliveries.requeue_all()
+                self._deliveries.requeue_all()
+            # the trainer's version / lag / batch size drive ShouldPause and survive restarts
             c = self._consumer
             changed = (c.trainer_version, c.max_lag, c.batch_n) != (trainer_version, lag, n)
             c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, n
+            # wait for n fresh trajectories in whole groups, dropping stale ones as we go
             dropped = 0
             self._waiting += 1
             try:
@@ -480,6 +478,7 @@ class TrajectoryQueue:
                     self._check_open()
             finally:
                 self._waiting -= 1
+            # deliver: read the payloads, mark them delivered under a new cursor
             if total < n and not allow_partial:
                 chosen = []
             entries = [e for g in chosen for e in sorted(g.members, key=lambda e: e.seq)]
@@ -493,7 +492,6 @@ class TrajectoryQueue:
                         for e in entries]
             cursor = self._deliveries.deliver(entries)
             self.counters["dropped_stale_total"] += dropped
-            self.counters["delivered_total"] += len(entries)
             if changed or dropped:  # drops and the trainer version survive restarts
                 self._save_state()
             if dropped:
