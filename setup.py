@@ -2,8 +2,8 @@
 
 Metadata lives in pyproject.toml; this file only adds the protoc step so that the
 generated trajectory_pb2*.py modules (never committed) ship in wheels and exist in
-editable installs. grpcio-tools is a build-system requirement. At run time
-satjax/queue/_proto.py regenerates them if they are missing or stale.
+editable installs. grpcio-tools is a build-system requirement; after editing the .proto,
+run `pip install -e .` again to regenerate them.
 """
 
 import os

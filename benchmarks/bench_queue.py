@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from satjax.queue.client import QueueClient  # noqa: E402
 from satjax.queue.codec import encode  # noqa: E402
+from satjax.queue.store import FSYNC_POLICIES  # noqa: E402
 from satjax.trajectory import Trajectory  # noqa: E402
 from satjax.utils import free_port  # noqa: E402
 
@@ -179,9 +180,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--latency-calls", type=int, default=40)
-    ap.add_argument("--fsync", default="always,never")
+    ap.add_argument("--fsync", default="always,never",
+                    help=f"comma-separated, each one of {', '.join(FSYNC_POLICIES)}")
     ap.add_argument("--data-dir", help="where the queue's log goes (default: a temp dir)")
     args = ap.parse_args()
+    for fsync in args.fsync.split(","):
+        if fsync not in FSYNC_POLICIES:
+            ap.error(f"--fsync: must be one of {FSYNC_POLICIES}, got {fsync!r}")
     if args.serve_echo is not None:
         serve_echo(args.serve_echo)
         return

@@ -16,11 +16,21 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from satjax.queue._proto import pb2, pb2_grpc
-from satjax.queue.codec import _varint, decode, encode, iter_fields
+from satjax.queue._proto import SERVICE, pb2, pb2_grpc
+from satjax.queue.codec import (
+    MAX_MESSAGE_MB,
+    PUT_BATCH_TRAJECTORIES,
+    decode_batch_reply,
+    encode,
+    join_messages,
+)
+from satjax.queue.core import PutResult, Rejection
 from satjax.trajectory import Trajectory
 
-SERVICE = "satjax.queue.v1.TrajectoryQueue"
+__all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "QueueError",
+           "QueueTimeoutError", "QueueTooLargeError", "QueueUnavailableError",
+           "QueueValidationError", "Rejection", "TrajectoryBatch"]
+
 T = TypeVar("T")
 
 
@@ -58,26 +68,9 @@ class QueueTooLargeError(QueueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Rejection:
-    index: int
-    trajectory_id: str
-    field: str
-    message: str
+class TrajectoryBatch:
+    """A GetBatch answer: whole groups of decoded trajectories, oldest first."""
 
-
-@dataclasses.dataclass(frozen=True)
-class PutResult:
-    accepted: list[str]      # stored (including duplicates of earlier puts)
-    duplicates: list[str]
-    rejected: list[Rejection]
-
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
     trajectories: list[Trajectory]
     cursor: int              # pass to QueueClient.ack once trained on
     lag_histogram: dict[int, int]
@@ -108,13 +101,13 @@ class QueueClient:
     """``QueueClient("127.0.0.1:50051", token=...)``; ``tls_ca`` (PEM path) enables TLS."""
 
     def __init__(self, address: str, *, token: str, tls_ca: str | Path | None = None,
-                 tls_server_name: str | None = None, max_message_mb: float = 64.0,
+                 tls_server_name: str | None = None, max_message_mb: float = MAX_MESSAGE_MB,
                  retries: int = 6, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
                  num_experts: int | None = None, compact_routes: bool = False):
         if not token:
-            raise ValueError("token: a non-empty bearer token is required")
+            raise ValueError(f"token: must be a non-empty bearer token, got {token!r}")
         if retries < 0:
-            raise ValueError(f"retries: must be >= 0, got {retries}")
+            raise ValueError(f"retries: must be >= 0, got {retries!r}")
         size = int(max_message_mb * (1 << 20))
         options = [("grpc.max_receive_message_length", size),
                    ("grpc.max_send_message_length", size)]
@@ -126,7 +119,7 @@ class QueueClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb2_grpc.TrajectoryQueueStub(self._channel)
-        # Hot paths move raw bytes: fastwire encodes/decodes with fewer copies than protobuf.
+        # Hot paths move raw bytes: the codec encodes/decodes with fewer copies than protobuf.
         self._put_raw = self._channel.stream_unary(
             f"/{SERVICE}/Put", response_deserializer=pb2.PutReply.FromString)
         self._put_batch_raw = self._channel.unary_unary(
@@ -171,7 +164,7 @@ class QueueClient:
         reply = None
         if len(raws) > 1 and sum(len(r) + 10 for r in raws) + 1024 <= self.max_message_bytes:
             # one PutBatch message: less per-message overhead than a stream
-            request = b"".join(b"".join((b"\x0a", _varint(len(r)), r)) for r in raws)
+            request = join_messages(PUT_BATCH_TRAJECTORIES, raws)
             try:
                 reply = self._call("put", lambda: self._put_batch_raw(
                     request, timeout=timeout, metadata=self._metadata))
@@ -200,7 +193,7 @@ class QueueClient:
     # -- trainer API ----------------------------------------------------------------------
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout: float = 0.0, *, allow_partial: bool = False,
-                  redeliver_unacked: bool = False) -> Batch:
+                  redeliver_unacked: bool = False) -> TrajectoryBatch:
         """Waits up to ``timeout`` s for ``n`` fresh trajectories in whole groups.
 
         An empty batch (cursor 0) comes back when fewer than ``n`` are ready in time, unless
@@ -215,23 +208,9 @@ class QueueClient:
             request.max_lag = max_lag
         raw = self._call("get_batch", lambda: self._get_raw(
             request, timeout=timeout + 60.0, metadata=self._metadata))
-        return self._decode_batch(raw)
-
-    def _decode_batch(self, raw: bytes) -> Batch:
-        """GetBatchReply wire bytes -> Batch, trajectories decoded without protobuf copies."""
-        trajs, hist, cursor, dropped = [], {}, 0, 0
-        for field, _, value in iter_fields(memoryview(raw)):
-            if field == 1:
-                trajs.append(decode(value, compact_routes=self.compact_routes))
-            elif field == 2:
-                cursor = value
-            elif field == 3:
-                entry = dict((f, v) for f, _, v in iter_fields(value))
-                key = entry.get(1, 0)
-                hist[key - (1 << 64) if key >= 1 << 63 else key] = entry.get(2, 0)
-            elif field == 4:
-                dropped = value
-        return Batch(trajs, cursor, hist, dropped)
+        trajs, cursor, hist, dropped = decode_batch_reply(raw,
+                                                          compact_routes=self.compact_routes)
+        return TrajectoryBatch(trajs, cursor, hist, dropped)
 
     def ack(self, cursor: int) -> int:
         """Marks every delivered batch with cursor <= ``cursor`` consumed; returns how many."""

@@ -1,5 +1,11 @@
 """The queue's logic, independent of gRPC: groups, lag control, delivery, acks, pausing.
 
+:class:`TrajectoryQueue` holds the lock and the durable state (``store``) and composes four
+parts, each a job a reader can follow on its own: :class:`PayloadCache` (recent record
+bytes), :class:`GroupIndex` (group assembly, consistency and staleness), :class:`Deliveries`
+(delivered, unacknowledged batches and their cursors) and :func:`pause_decision`
+(back-pressure and lag prediction).
+
 Semantics (docs/queue.md has the long form):
 
 * Sequence numbers: every stored trajectory gets the next ``seq`` (1, 2, ...).
@@ -27,13 +33,18 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Container
 from pathlib import Path
 
+from satjax import config as run_config
 from satjax.queue.codec import TrajectoryView
 from satjax.queue.store import ConsumerState, Location, RetiredIds, SegmentLog
 from satjax.queue.validation import Limits, Problem, validate
 
 log = logging.getLogger(__name__)
+
+# Groups dropped as stale are remembered (their late members are dropped too) up to this many.
+DROPPED_GROUPS_MEMORY = 100_000
 
 
 class QueueRequestError(ValueError):
@@ -46,6 +57,52 @@ class QueueRequestError(ValueError):
 
 class QueueClosedError(RuntimeError):
     """The queue is shutting down; the call may be retried against the restarted server."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueSettings:
+    """Server-side knobs; ``fsync`` and ``max_lag_default`` default to the run config's."""
+
+    fsync: str = run_config.QueueConfig().fsync
+    segment_bytes: int = 64 << 20
+    max_lag_default: int = run_config.TrainConfig().max_lag
+    future_slack: int = 0
+    max_pending: int = 100_000
+    max_reply_bytes: int = 64 << 20
+    dedup_window: int = 1_000_000
+    cache_bytes: int = 256 << 20  # recent payloads kept in memory: GetBatch skips the read
+    limits: Limits = Limits()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    """Why the item at ``index`` of a put was not stored; ``field`` names the culprit."""
+
+    index: int
+    trajectory_id: str
+    field: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PutResult:
+    accepted: list[str]      # stored (including duplicates of earlier puts)
+    duplicates: list[str]
+    rejected: list[Rejection]
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult:
+    """A GetBatch answer as stored record bytes (the server splices them into the reply)."""
+
+    payloads: list[bytes]
+    cursor: int
+    lag_histogram: dict[int, int]
+    dropped_stale: int
 
 
 class State(enum.Enum):
@@ -61,7 +118,7 @@ class Entry:
     policy_version: int
     loc: Location
     state: State = State.PENDING
-    payload: bytes | None = None  # cached record bytes (see QueueConfig.cache_bytes)
+    payload: bytes | None = None  # cached record bytes (see PayloadCache)
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,58 +141,201 @@ class Group:
         return len(self.members) >= self.size
 
 
-@dataclasses.dataclass
-class PutResult:
-    accepted: list[str]
-    duplicates: list[str]
-    rejections: list[tuple[int, str, Problem]]  # (index, trajectory_id, problem)
+# ===================================================================================
+# Payload cache: recent record bytes, so GetBatch rarely reads the segment files
+# ===================================================================================
+class PayloadCache:
+    """Oldest-first eviction of ``Entry.payload`` once the total exceeds ``capacity`` bytes."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry holding payload
+        self._size = 0
+
+    def add(self, entry: Entry, payload: bytes) -> None:
+        if len(payload) > self.capacity:
+            return
+        entry.payload = payload
+        self._entries[entry.seq] = entry
+        self._size += len(payload)
+        while self._size > self.capacity:
+            self.drop(next(iter(self._entries)))
+
+    def drop(self, seq: int) -> None:
+        entry = self._entries.pop(seq, None)
+        if entry is not None and entry.payload is not None:
+            self._size -= len(entry.payload)
+            entry.payload = None
 
 
-@dataclasses.dataclass
-class BatchResult:
-    payloads: list[bytes]
-    cursor: int
-    lag_histogram: dict[int, int]
-    dropped_stale: int
+# ===================================================================================
+# Group assembly: consistency on put, complete groups on get, staleness
+# ===================================================================================
+class GroupIndex:
+    """Groups with unconsumed members, plus the ids of groups dropped as stale."""
+
+    def __init__(self):
+        self.groups: dict[str, Group] = {}
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, entry: Entry, msg: TrajectoryView) -> None:
+        group = self.groups.get(msg.group_id)
+        if group is None:
+            group = self.groups[msg.group_id] = Group(msg.group_id, msg.group_size,
+                                                      msg.prompt_id)
+        group.members.append(entry)
+
+    def discard_if_consumed(self, group_id: str, live: Container[int]) -> None:
+        """Forgets ``group_id`` once none of its members' seqs is in ``live``."""
+        group = self.groups.get(group_id)
+        if group is not None and all(m.seq not in live for m in group.members):
+            del self.groups[group_id]
+
+    def check(self, msg: TrajectoryView, staged: dict[str, list]) -> Problem | None:
+        """Members of a group agree on group_size and prompt_id; no more than group_size.
+
+        ``staged``: group -> [group_size, prompt_id, count] of items accepted earlier in the
+        same put, not yet indexed.
+        """
+        group, mine = self.groups.get(msg.group_id), staged.get(msg.group_id)
+        if group is not None:
+            size, prompt, count = group.size, group.prompt_id, len(group.members)
+        elif mine is not None:
+            size, prompt, count = mine[0], mine[1], 0
+        else:
+            size, prompt, count = msg.group_size, msg.prompt_id, 0
+        count += mine[2] if mine is not None else 0
+        if msg.group_size != size:
+            return Problem("group_size", f"group_size: must be {size} like the rest of group "
+                                         f"{msg.group_id!r}, got {msg.group_size!r}")
+        if msg.prompt_id != prompt:
+            return Problem("prompt_id", f"prompt_id: must be {prompt!r} like the rest of group "
+                                        f"{msg.group_id!r}, got {msg.prompt_id!r}")
+        if count >= size:
+            return Problem("group_id", f"group_id: group {msg.group_id!r} already has its "
+                                       f"{size} members")
+        return None
+
+    def stale(self, trainer_version: int, max_lag: int) -> list[Entry]:
+        """Pending members of groups whose oldest member has ``lag > max_lag``, or that were
+        dropped before (a late member of a dropped group goes too)."""
+        dropped: list[Entry] = []
+        for gid, group in self.groups.items():
+            pending = [e for e in group.members if e.state is State.PENDING]
+            if not pending:
+                continue
+            if gid in self._dropped or trainer_version - group.min_version > max_lag:
+                dropped.extend(pending)
+                self._dropped[gid] = None
+                if len(self._dropped) > DROPPED_GROUPS_MEMORY:
+                    self._dropped.popitem(last=False)
+        return dropped
+
+    def select(self, n: int) -> list[Group]:
+        """Oldest complete, undelivered groups totalling at most ``n`` trajectories."""
+        ready = [g for g in self.groups.values()
+                 if g.complete and all(e.state is State.PENDING for e in g.members)]
+        ready.sort(key=lambda g: g.first_seq)
+        chosen, total = [], 0
+        for g in ready:
+            if n % g.size:
+                raise QueueRequestError(f"n: must be a multiple of group_size {g.size} "
+                                        f"(group {g.group_id!r}), got {n!r}")
+            if total + g.size <= n:
+                chosen.append(g)
+                total += g.size
+            if total == n:
+                break
+        return chosen
+
+    def incomplete(self) -> int:
+        return sum(1 for g in self.groups.values() if not g.complete)
 
 
-@dataclasses.dataclass(frozen=True)
-class QueueConfig:
-    fsync: str = "always"
-    segment_bytes: int = 64 << 20
-    max_lag_default: int = 4
-    future_slack: int = 0
-    max_pending: int = 100_000
-    max_reply_bytes: int = 64 << 20
-    dedup_window: int = 1_000_000
-    cache_bytes: int = 256 << 20  # recent payloads kept in memory: GetBatch skips the read
-    limits: Limits = Limits()
+# ===================================================================================
+# Delivery bookkeeping: cursors of delivered, unacknowledged batches
+# ===================================================================================
+class Deliveries:
+    """cursor (largest seq of a batch) -> its entries, until acked or redelivered."""
+
+    def __init__(self):
+        self._batches: dict[int, list[Entry]] = {}
+
+    def deliver(self, entries: list[Entry]) -> int:
+        """Marks ``entries`` delivered; returns their cursor (0 for an empty batch)."""
+        for e in entries:
+            e.state = State.DELIVERED
+        cursor = max((e.seq for e in entries), default=0)
+        if entries:
+            self._batches[cursor] = entries
+        return cursor
+
+    def requeue_all(self) -> None:
+        """Makes every unacknowledged entry pending again."""
+        for entries in self._batches.values():
+            for e in entries:
+                e.state = State.PENDING
+        self._batches.clear()
+
+    def take_acked(self, cursor: int) -> list[Entry]:
+        """Entries of every batch whose cursor is <= ``cursor`` (acks are cumulative)."""
+        done = [k for k in self._batches if k <= cursor]
+        return [e for k in done for e in self._batches.pop(k)]
 
 
+# ===================================================================================
+# Back-pressure and lag prediction
+# ===================================================================================
+def pause_decision(consumer: ConsumerState, pending: list[Entry], worker_version: int, *,
+                   max_lag: int, max_pending: int, trainer_waiting: bool) -> dict:
+    """ShouldPauseReply fields for a worker at ``worker_version`` (see module docstring)."""
+    out = {"trainer_version": consumer.trainer_version, "max_lag": max_lag, "pause": False,
+           "reason": "", "predicted_lag": 0, "pending_fresh": len(pending)}
+    if len(pending) >= max_pending:
+        out.update(pause=True, reason=f"{len(pending)} trajectories pending >= "
+                                      f"max_pending {max_pending}")
+        return out
+    if consumer.trainer_version < 0:
+        out["reason"] = "no trainer has asked for a batch yet"
+        return out
+    fresh = sum(1 for e in pending if consumer.trainer_version - e.policy_version <= max_lag)
+    v_next = consumer.trainer_version if trainer_waiting else consumer.trainer_version + 1
+    predicted = v_next + fresh // max(1, consumer.batch_n) - worker_version
+    out.update(pending_fresh=fresh, predicted_lag=predicted)
+    if predicted > max_lag:
+        out.update(pause=True, reason=(
+            f"a trajectory from version {worker_version} would be consumed at "
+            f"trainer version {predicted + worker_version}, lag {predicted} > "
+            f"max_lag {max_lag}"))
+    return out
+
+
+# ===================================================================================
+# The queue
+# ===================================================================================
 class TrajectoryQueue:
     """Thread-safe durable queue; one consumer (the trainer), many producers."""
 
-    def __init__(self, data_dir: str | Path, config: QueueConfig = QueueConfig()):
-        self.config = config
+    def __init__(self, data_dir: str | Path, settings: QueueSettings = QueueSettings()):
+        self.settings = settings
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._state_path = self.dir / "state.json"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._consumer = ConsumerState.load(self._state_path)
-        self._retired = RetiredIds(self.dir / "retired_ids.jsonl", config.dedup_window)
-        self._log = SegmentLog(self.dir, segment_bytes=config.segment_bytes, fsync=config.fsync)
+        self._retired = RetiredIds(self.dir / "retired_ids.jsonl", settings.dedup_window)
+        self._log = SegmentLog(self.dir, segment_bytes=settings.segment_bytes,
+                               fsync=settings.fsync)
         self._entries: dict[int, Entry] = {}        # not yet consumed
         self._ids: dict[str, int] = {}              # trajectory_id -> seq, records on disk
-        self._groups: dict[str, Group] = {}         # groups with unconsumed members
-        self._dropped_groups: OrderedDict[str, None] = OrderedDict()
-        self._batches: dict[int, list[Entry]] = {}  # cursor -> delivered entries
         self._seg_ids: dict[int, list[str]] = {}    # segment -> trajectory ids in it
+        self._groups = GroupIndex()
+        self._deliveries = Deliveries()
+        self._cache = PayloadCache(settings.cache_bytes)
         self._waiting = 0
         self._closed = False
-        self._cache: OrderedDict[int, Entry] = OrderedDict()  # seq -> entry holding payload
-        self._cache_size = 0
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()  # the *_total fields of StatsReply
         last = self._consumer.watermark
         for seq, loc, payload in self._log.replay():
             msg = TrajectoryView(payload)
@@ -155,32 +355,16 @@ class TrajectoryQueue:
                payload: bytes | None = None) -> None:
         entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc)
         self._entries[seq] = entry
-        if payload is not None and len(payload) <= self.config.cache_bytes:
-            entry.payload = payload
-            self._cache[seq] = entry
-            self._cache_size += len(payload)
-            while self._cache_size > self.config.cache_bytes:
-                self._uncache(next(iter(self._cache)))
-        group = self._groups.get(msg.group_id)
-        if group is None:
-            group = self._groups[msg.group_id] = Group(msg.group_id, msg.group_size,
-                                                       msg.prompt_id)
-        group.members.append(entry)
-
-    def _uncache(self, seq: int) -> None:
-        entry = self._cache.pop(seq, None)
-        if entry is not None and entry.payload is not None:
-            self._cache_size -= len(entry.payload)
-            entry.payload = None
+        if payload is not None:
+            self._cache.add(entry, payload)
+        self._groups.add(entry, msg)
 
     def _consume(self, entries: list[Entry]) -> None:
         for e in entries:
             self._entries.pop(e.seq, None)
-            self._uncache(e.seq)
+            self._cache.drop(e.seq)
             self._consumer.mark_done(e.seq)
-            group = self._groups.get(e.group_id)
-            if group is not None and all(m.seq not in self._entries for m in group.members):
-                del self._groups[e.group_id]
+            self._groups.discard_if_consumed(e.group_id, self._entries)
 
     def _gc(self) -> None:
         """Deletes inactive segments whose records are all consumed."""
@@ -193,49 +377,35 @@ class TrajectoryQueue:
             for tid in ids:
                 self._ids.pop(tid, None)
             self._log.delete(first)
-            self.counters["segments_deleted"] += 1
 
     def _save_state(self) -> None:
         # fsync=never: the rename alone survives a process crash (not a power cut)
-        self._consumer.save(self._state_path, fsync=self.config.fsync != "never")
+        self._consumer.save(self._state_path, fsync=self.settings.fsync != "never")
 
     def _check_open(self) -> None:
         if self._closed:
             raise QueueClosedError("queue is shutting down")
 
-    def _max_lag(self, max_lag: int | None) -> int:
-        return self.config.max_lag_default if max_lag is None else max_lag
+    def _current_max_lag(self) -> int:
+        """The trainer's last max_lag, or the default before it has asked."""
+        c = self._consumer
+        return c.max_lag if c.max_lag >= 0 else self.settings.max_lag_default
 
-    def _check_group(self, msg: TrajectoryView, staged: dict[str, list]) -> Problem | None:
-        """Members of a group agree on group_size and prompt_id; no more than group_size."""
-        group, mine = self._groups.get(msg.group_id), staged.get(msg.group_id)
-        if group is not None:
-            size, prompt, count = group.size, group.prompt_id, len(group.members)
-        elif mine is not None:
-            size, prompt, count = mine[0], mine[1], 0
-        else:
-            size, prompt, count = msg.group_size, msg.prompt_id, 0
-        count += mine[2] if mine is not None else 0
-        if msg.group_size != size:
-            return Problem("group_size", f"group_size: {msg.group_size} differs from "
-                                         f"{size} of group {msg.group_id!r}")
-        if msg.prompt_id != prompt:
-            return Problem("prompt_id", f"prompt_id: {msg.prompt_id!r} differs from "
-                                        f"{prompt!r} of group {msg.group_id!r}")
-        if count >= size:
-            return Problem("group_id", f"group_id: group {msg.group_id!r} already has its "
-                                       f"{size} members")
-        return None
+    def _pending(self) -> list[Entry]:
+        return [e for e in self._entries.values() if e.state is State.PENDING]
 
     # -- producer side ------------------------------------------------------------------------
     def put(self, items: list[tuple[bytes, TrajectoryView]]) -> PutResult:
-        """Validates and durably stores ``items`` (raw bytes, parsed message) in one write."""
-        problems = [validate(msg, self.config.limits) for _, msg in items]
+        """Validates and durably stores ``items`` (raw bytes, parsed message) in one write.
+
+        Rejection indices are positions in ``items``.
+        """
+        problems = [validate(msg, self.settings.limits) for _, msg in items]
         result = PutResult([], [], [])
         with self._lock:
             self._check_open()
             trainer_v = self._consumer.trainer_version
-            newest = trainer_v + 1 + self.config.future_slack
+            newest = trainer_v + 1 + self.settings.future_slack
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
             seen: set[str] = set()
             to_store: list[tuple[bytes, TrajectoryView]] = []
@@ -246,13 +416,13 @@ class TrajectoryQueue:
                     result.accepted.append(tid)
                     continue
                 if bad is None and trainer_v >= 0 and msg.policy_version > newest:
-                    bad = Problem("policy_version", f"policy_version: {msg.policy_version} is "
-                                  f"from the future: the trainer last asked for version "
-                                  f"{trainer_v}, the newest accepted is {newest}")
+                    bad = Problem("policy_version", f"policy_version: must be <= {newest} "
+                                  f"(the trainer last asked for version {trainer_v}; newer is "
+                                  f"from the future), got {msg.policy_version!r}")
                 if bad is None:
-                    bad = self._check_group(msg, staged)
+                    bad = self._groups.check(msg, staged)
                 if bad is not None:
-                    result.rejections.append((i, tid, bad))
+                    result.rejected.append(Rejection(i, tid, bad.field, bad.message))
                     continue
                 seen.add(tid)
                 staged.setdefault(msg.group_id, [msg.group_size, msg.prompt_id, 0])[2] += 1
@@ -269,67 +439,37 @@ class TrajectoryQueue:
                 self._cond.notify_all()
             self.counters["accepted_total"] += len(to_store)
             self.counters["duplicates_total"] += len(result.duplicates)
-            self.counters["rejected_total"] += len(result.rejections)
+            self.counters["rejected_total"] += len(result.rejected)
         return result
 
     # -- consumer side ------------------------------------------------------------------------
-    def _drop_stale(self, trainer_version: int, max_lag: int) -> int:
-        dropped: list[Entry] = []
-        for gid, group in list(self._groups.items()):
-            pending = [e for e in group.members if e.state is State.PENDING]
-            if not pending:
-                continue
-            if gid in self._dropped_groups or trainer_version - group.min_version > max_lag:
-                dropped.extend(pending)
-                self._dropped_groups[gid] = None
-                if len(self._dropped_groups) > 100_000:
-                    self._dropped_groups.popitem(last=False)
-        self._consume(dropped)
-        return len(dropped)
-
-    def _select(self, n: int) -> list[Group]:
-        ready = [g for g in self._groups.values()
-                 if g.complete and all(e.state is State.PENDING for e in g.members)]
-        ready.sort(key=lambda g: g.first_seq)
-        chosen, total = [], 0
-        for g in ready:
-            if n % g.size:
-                raise QueueRequestError(f"n: {n} is not a multiple of group_size {g.size} "
-                                        f"(group {g.group_id!r})")
-            if total + g.size <= n:
-                chosen.append(g)
-                total += g.size
-            if total == n:
-                break
-        return chosen
-
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout_s: float = 0.0, *, allow_partial: bool = False,
                   redeliver_unacked: bool = False) -> BatchResult:
         """Up to ``n`` trajectories in complete, fresh groups (see module docstring)."""
         if n <= 0:
-            raise QueueRequestError(f"n: must be positive, got {n}")
-        lag = self._max_lag(max_lag)
+            raise QueueRequestError(f"n: must be positive, got {n!r}")
+        lag = self.settings.max_lag_default if max_lag is None else max_lag
         if lag < 0:
-            raise QueueRequestError(f"max_lag: must be >= 0, got {lag}")
+            raise QueueRequestError(f"max_lag: must be >= 0, got {lag!r}")
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             self._check_open()
             if redeliver_unacked:
-                for entries in self._batches.values():
-                    for e in entries:
-                        e.state = State.PENDING
-                self.counters["redelivered_total"] += sum(map(len, self._batches.values()))
-                self._batches.clear()
+                self._deliveries.requeue_all()
+            # the trainer's version / lag / batch size drive ShouldPause and survive restarts
             c = self._consumer
             changed = (c.trainer_version, c.max_lag, c.batch_n) != (trainer_version, lag, n)
             c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, n
+            # wait for n fresh trajectories in whole groups, dropping stale ones as we go
             dropped = 0
             self._waiting += 1
             try:
                 while True:
-                    dropped += self._drop_stale(trainer_version, lag)
-                    chosen = self._select(n)
+                    stale = self._groups.stale(trainer_version, lag)
+                    self._consume(stale)
+                    dropped += len(stale)
+                    chosen = self._groups.select(n)
                     total = sum(g.size for g in chosen)
                     remaining = deadline - time.monotonic()
                     if total == n or remaining <= 0:
@@ -338,24 +478,20 @@ class TrajectoryQueue:
                     self._check_open()
             finally:
                 self._waiting -= 1
+            # deliver: read the payloads, mark them delivered under a new cursor
             if total < n and not allow_partial:
                 chosen = []
             entries = [e for g in chosen for e in sorted(g.members, key=lambda e: e.seq)]
             size = sum(e.loc.length + 8 for e in entries)
-            if size > self.config.max_reply_bytes:
+            if size > self.settings.max_reply_bytes:
                 raise QueueRequestError(
                     f"n: a batch of {n} trajectories is {size} bytes, over the max message "
-                    f"size {self.config.max_reply_bytes}; lower n or raise --max-message-mb",
+                    f"size {self.settings.max_reply_bytes}; lower n or raise --max-message-mb",
                     too_large=True)
             payloads = [e.payload if e.payload is not None else self._log.read(e.loc)
                         for e in entries]
-            for e in entries:
-                e.state = State.DELIVERED
-            cursor = max((e.seq for e in entries), default=0)
-            if entries:
-                self._batches[cursor] = entries
+            cursor = self._deliveries.deliver(entries)
             self.counters["dropped_stale_total"] += dropped
-            self.counters["delivered_total"] += len(entries)
             if changed or dropped:  # drops and the trainer version survive restarts
                 self._save_state()
             if dropped:
@@ -367,8 +503,7 @@ class TrajectoryQueue:
         """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""
         with self._lock:
             self._check_open()
-            done = [k for k in self._batches if k <= cursor]
-            entries = [e for k in done for e in self._batches.pop(k)]
+            entries = self._deliveries.take_acked(cursor)
             self._consume(entries)
             self._save_state()
             self.counters["acked_total"] += len(entries)
@@ -379,47 +514,27 @@ class TrajectoryQueue:
     def should_pause(self, worker_version: int) -> dict:
         """Decision for a worker at ``worker_version`` (see module docstring)."""
         with self._lock:
-            c = self._consumer
-            lag = c.max_lag if c.max_lag >= 0 else self.config.max_lag_default
-            pending = [e for e in self._entries.values() if e.state is State.PENDING]
-            out = {"trainer_version": c.trainer_version, "max_lag": lag, "pause": False,
-                   "reason": "", "predicted_lag": 0, "pending_fresh": len(pending)}
-            if len(pending) >= self.config.max_pending:
-                out.update(pause=True, reason=f"{len(pending)} trajectories pending >= "
-                                              f"max_pending {self.config.max_pending}")
-                return out
-            if c.trainer_version < 0:
-                out["reason"] = "no trainer has asked for a batch yet"
-                return out
-            fresh = sum(1 for e in pending if c.trainer_version - e.policy_version <= lag)
-            v_next = c.trainer_version if self._waiting else c.trainer_version + 1
-            predicted = v_next + fresh // max(1, c.batch_n) - worker_version
-            out.update(pending_fresh=fresh, predicted_lag=predicted)
-            if predicted > lag:
-                out.update(pause=True, reason=(
-                    f"a trajectory from version {worker_version} would be consumed at "
-                    f"trainer version {predicted + worker_version}, lag {predicted} > "
-                    f"max_lag {lag}"))
-            return out
+            return pause_decision(self._consumer, self._pending(), worker_version,
+                                  max_lag=self._current_max_lag(),
+                                  max_pending=self.settings.max_pending,
+                                  trainer_waiting=bool(self._waiting))
 
     def stats(self) -> dict:
+        """StatsReply fields."""
         with self._lock:
-            pending = sum(1 for e in self._entries.values() if e.state is State.PENDING)
+            pending = len(self._pending())
+            totals = ("accepted_total", "duplicates_total", "rejected_total", "acked_total",
+                      "dropped_stale_total")
             return {
                 "pending": pending,
                 "delivered_unacked": len(self._entries) - pending,
-                "accepted_total": self.counters["accepted_total"],
-                "duplicates_total": self.counters["duplicates_total"],
-                "rejected_total": self.counters["rejected_total"],
-                "acked_total": self.counters["acked_total"],
-                "dropped_stale_total": self.counters["dropped_stale_total"],
+                **{name: self.counters[name] for name in totals},
                 "trainer_version": self._consumer.trainer_version,
-                "max_lag": (self._consumer.max_lag if self._consumer.max_lag >= 0
-                            else self.config.max_lag_default),
+                "max_lag": self._current_max_lag(),
                 "watermark": self._consumer.watermark,
                 "segments": len(self._log.segments),
                 "bytes_on_disk": self._log.bytes_on_disk(),
-                "incomplete_groups": sum(1 for g in self._groups.values() if not g.complete),
+                "incomplete_groups": self._groups.incomplete(),
                 "next_seq": self._next_seq,
             }
 

@@ -24,13 +24,20 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from satjax.queue._proto import pb2
-from satjax.queue.codec import TrajectoryView, WireError, _varint, iter_fields
+from satjax.queue._proto import SERVICE, pb2
+from satjax.queue.codec import (
+    MAX_MESSAGE_MB,
+    PUT_BATCH_TRAJECTORIES,
+    TrajectoryView,
+    WireError,
+    encode_batch_reply,
+    split_messages,
+)
 from satjax.queue.core import (
     BatchResult,
     QueueClosedError,
-    QueueConfig,
     QueueRequestError,
+    QueueSettings,
     TrajectoryQueue,
 )
 from satjax.queue.store import FSYNC_POLICIES
@@ -38,11 +45,11 @@ from satjax.queue.validation import Limits
 
 log = logging.getLogger(__name__)
 
-SERVICE = "satjax.queue.v1.TrajectoryQueue"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
-PUT_CHUNK_ITEMS = 64
-PUT_CHUNK_BYTES = 32 << 20
+PUT_CHUNK_ITEMS = 64      # a Put stream is stored (and fsynced) in chunks of this many items
+PUT_CHUNK_BYTES = 32 << 20  # or of this many bytes
+MAX_WORKERS = 16
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -70,19 +77,10 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return handler._replace(**{kind: deny})
 
 
-def encode_batch_reply(result: BatchResult) -> bytes:
-    """GetBatchReply wire bytes, splicing stored Trajectory bytes without re-parsing them.
-
-    Field 1 (``repeated Trajectory trajectories``) is length-delimited: tag 0x0A.
-    """
-    meta = pb2.GetBatchReply(cursor=result.cursor, dropped_stale=result.dropped_stale)
-    for lag, count in result.lag_histogram.items():
-        meta.lag_histogram[lag] = count
-    parts = []
-    for payload in result.payloads:
-        parts += (b"\x0a", _varint(len(payload)), payload)
-    parts.append(meta.SerializeToString())
-    return b"".join(parts)
+def _serialize_batch(result: BatchResult) -> bytes:
+    """GetBatchReply wire bytes, splicing stored Trajectory bytes without re-parsing them."""
+    return encode_batch_reply(result.payloads, result.cursor, result.lag_histogram,
+                              result.dropped_stale)
 
 
 def _parse_item(raw: bytes) -> tuple[bytes, TrajectoryView | None]:
@@ -93,10 +91,9 @@ def _parse_item(raw: bytes) -> tuple[bytes, TrajectoryView | None]:
 
 
 def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
-    """PutBatchRequest: field 1 repeated Trajectory, sliced out without re-encoding."""
+    """PutBatchRequest's trajectories, sliced out without re-encoding."""
     try:
-        return [_parse_item(bytes(v)) for f, w, v in iter_fields(memoryview(raw))
-                if f == 1 and w == 2]
+        return [_parse_item(bytes(v)) for v in split_messages(raw, PUT_BATCH_TRAJECTORIES)]
     except WireError:
         return [(raw, None)]
 
@@ -129,9 +126,9 @@ class QueueService:
             result = self.queue.put(chunk)
             reply.accepted_ids.extend(result.accepted)
             reply.duplicate_ids.extend(result.duplicates)
-            for i, tid, problem in result.rejections:
-                reply.rejections.add(index=chunk_start + i, trajectory_id=tid,
-                                     field=problem.field, message=problem.message)
+            for r in result.rejected:
+                reply.rejections.add(index=chunk_start + r.index, trajectory_id=r.trajectory_id,
+                                     field=r.field, message=r.message)
 
         for raw, msg in items:
             if msg is None:
@@ -193,7 +190,7 @@ class QueueService:
             "PutBatch": grpc.unary_unary_rpc_method_handler(
                 _guard(self.put_batch), request_deserializer=_parse_put_batch,
                 response_serializer=pb2.PutReply.SerializeToString),
-            "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, encode_batch_reply),
+            "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, _serialize_batch),
             "Ack": unary(self.ack, pb2.AckRequest),
             "Stats": unary(self.stats, pb2.StatsRequest),
             "ShouldPause": unary(self.should_pause, pb2.ShouldPauseRequest),
@@ -203,19 +200,22 @@ class QueueService:
 class QueueServer:
     """In-process server: ``QueueServer(data_dir, token).start(port)`` ... ``.stop(grace)``."""
 
-    def __init__(self, data_dir: str | Path, token: str, *, config: QueueConfig | None = None,
-                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
-                 max_message_mb: float = 64.0, max_workers: int = 16):
+    def __init__(self, data_dir: str | Path, token: str, *,
+                 settings: QueueSettings | None = None, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None, max_message_mb: float = MAX_MESSAGE_MB,
+                 max_workers: int = MAX_WORKERS):
         if not token:
-            raise ValueError("token: a non-empty bearer token is required")
+            raise ValueError(f"token: must be a non-empty bearer token, got {token!r}")
         if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert/tls_key: give both or neither")
+            raise ValueError("tls_cert/tls_key: must give both or neither, got only "
+                             + ("tls_cert" if tls_cert is not None else "tls_key"))
         if max_message_mb <= 0:
-            raise ValueError(f"max_message_mb: must be positive, got {max_message_mb}")
+            raise ValueError(f"max_message_mb: must be positive, got {max_message_mb!r}")
         self.max_message_bytes = int(max_message_mb * (1 << 20))
-        config = config or QueueConfig()
-        config = dataclasses.replace(config, max_reply_bytes=self.max_message_bytes - 1024)
-        self.data_dir, self.token, self.config = Path(data_dir), token, config
+        # 1 KiB of the message is left for the reply's non-trajectory fields
+        settings = dataclasses.replace(settings or QueueSettings(),
+                                       max_reply_bytes=self.max_message_bytes - 1024)
+        self.data_dir, self.token, self.settings = Path(data_dir), token, settings
         self.tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert else None
         self.max_workers = max_workers
         self.queue: TrajectoryQueue | None = None
@@ -224,7 +224,7 @@ class QueueServer:
 
     def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Opens the queue and serves; returns the bound port (``port=0``: any free one)."""
-        self.queue = TrajectoryQueue(self.data_dir, self.config)
+        self.queue = TrajectoryQueue(self.data_dir, self.settings)
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", self.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
@@ -262,7 +262,9 @@ class QueueServer:
             self.queue = None
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    # defaults: the run config's for fsync / max lag (via QueueSettings), the library's else
+    d, limits = QueueSettings(), Limits()
     p = argparse.ArgumentParser(prog="satjax serve-queue", description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--host", default="127.0.0.1")
@@ -271,19 +273,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file")
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
-    p.add_argument("--fsync", choices=FSYNC_POLICIES, default="always")
-    p.add_argument("--max-message-mb", type=float, default=64.0)
-    p.add_argument("--max-lag-default", type=int, default=4)
-    p.add_argument("--future-slack", type=int, default=0)
-    p.add_argument("--max-pending", type=int, default=100_000)
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default=d.fsync)
+    p.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB)
+    p.add_argument("--max-lag-default", type=int, default=d.max_lag_default,
+                   help="max_lag of a GetBatch that does not set one")
+    p.add_argument("--future-slack", type=int, default=d.future_slack)
+    p.add_argument("--max-pending", type=int, default=d.max_pending)
     p.add_argument("--num-experts", type=int)
     p.add_argument("--vocab-size", type=int)
-    p.add_argument("--max-tokens", type=int, default=131072)
-    p.add_argument("--segment-mb", type=float, default=64.0)
-    p.add_argument("--cache-mb", type=float, default=256.0,
+    p.add_argument("--max-tokens", type=int, default=limits.max_tokens)
+    p.add_argument("--segment-mb", type=float, default=d.segment_bytes / (1 << 20))
+    p.add_argument("--cache-mb", type=float, default=d.cache_bytes / (1 << 20),
                    help="recent trajectories kept in memory for GetBatch")
-    p.add_argument("--workers", type=int, default=16)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--workers", type=int, default=MAX_WORKERS)
+    p.add_argument("--log-level", default="INFO",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
     return p
 
 
@@ -297,8 +301,8 @@ def _token(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``satjax serve-queue``: serves until SIGTERM/SIGINT, then shuts down gracefully."""
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = _token(args)
     if not token:
@@ -307,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     limits = Limits(max_tokens=args.max_tokens, num_experts=args.num_experts,
                     vocab_size=args.vocab_size)
-    config = QueueConfig(fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
-                         max_lag_default=args.max_lag_default, future_slack=args.future_slack,
-                         max_pending=args.max_pending, limits=limits,
-                         cache_bytes=int(args.cache_mb * (1 << 20)))
-    server = QueueServer(args.data_dir, token, config=config, tls_cert=args.tls_cert,
+    settings = QueueSettings(fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
+                             max_lag_default=args.max_lag_default,
+                             future_slack=args.future_slack, max_pending=args.max_pending,
+                             limits=limits, cache_bytes=int(args.cache_mb * (1 << 20)))
+    server = QueueServer(args.data_dir, token, settings=settings, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, max_message_mb=args.max_message_mb,
                          max_workers=args.workers)
     stop = threading.Event()

@@ -57,9 +57,9 @@ class SegmentLog:
     def __init__(self, data_dir: Path, *, segment_bytes: int = 64 << 20,
                  fsync: str = "always", batch_interval_s: float = 0.05):
         if fsync not in FSYNC_POLICIES:
-            raise ValueError(f"fsync: {fsync!r} not one of {FSYNC_POLICIES}")
+            raise ValueError(f"fsync: must be one of {FSYNC_POLICIES}, got {fsync!r}")
         if segment_bytes <= HEADER.size:
-            raise ValueError(f"segment_bytes: {segment_bytes} too small")
+            raise ValueError(f"segment_bytes: must be > {HEADER.size}, got {segment_bytes!r}")
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
@@ -140,7 +140,8 @@ class SegmentLog:
         with self._io_lock:
             for i, payload in enumerate(payloads):
                 if len(payload) >= MAX_RECORD_BYTES:
-                    raise ValueError(f"payload: {len(payload)} bytes is too large")
+                    raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
+                                     f"got {len(payload)!r}")
                 seq = first_seq + i
                 seg = self.segments[max(self.segments)] if self.segments else None
                 if seg is None or (seg.size > 0 and seg.size >= self.segment_bytes):

@@ -2,7 +2,7 @@
 
 Every rule returns a :class:`Problem` naming the offending proto field, so that a producer
 learns exactly what to fix. Stateful rules (policy version from the future, group
-consistency, duplicates) live in the server.
+consistency, duplicates) live in :mod:`satjax.queue.core`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,14 @@ import math
 import numpy as np
 
 from satjax.queue._proto import pb2
-from satjax.queue.codec import TrajectoryView
-from satjax.queue.wire import LOGIT_DTYPES, ROUTE_DTYPES, SCHEMA_VERSION
+from satjax.queue.codec import (
+    LOGIT_DTYPES,
+    LOGPROB_DTYPE,
+    ROUTE_DTYPES,
+    SCHEMA_VERSION,
+    TOKEN_DTYPE,
+    TrajectoryView,
+)
 
 FINISH_REASONS = ("stop", "length", "abort")
 TrajectoryLike = pb2.Trajectory | TrajectoryView  # same attribute names
@@ -40,89 +46,97 @@ class Problem:
 
 def _packed(data: bytes, dtype: np.dtype, field: str) -> tuple[np.ndarray | None, Problem | None]:
     if len(data) % dtype.itemsize:
-        return None, Problem(field, f"{field}: {len(data)} bytes is not a whole number of "
-                                    f"{dtype.name} values")
+        return None, Problem(field, f"{field}: must be a whole number of {dtype.name} values, "
+                                    f"got {len(data)!r} bytes")
     return np.frombuffer(data, dtype=dtype), None
 
 
 def _check_ids(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     if msg.schema_version != SCHEMA_VERSION:
-        return Problem("schema_version", f"schema_version: unsupported {msg.schema_version}, "
-                                         f"the server speaks {SCHEMA_VERSION}")
+        return Problem("schema_version", f"schema_version: must be {SCHEMA_VERSION}, "
+                                         f"got {msg.schema_version!r}")
     for name in ("trajectory_id", "group_id"):
         value = getattr(msg, name)
         if not value:
-            return Problem(name, f"{name}: must be non-empty")
+            return Problem(name, f"{name}: must be non-empty, got {value!r}")
+    for name in ("trajectory_id", "group_id", "prompt_id"):
+        value = getattr(msg, name)
         if len(value) > limits.max_id_chars:
-            return Problem(name, f"{name}: longer than {limits.max_id_chars} characters")
-    if len(msg.prompt_id) > limits.max_id_chars:
-        return Problem("prompt_id", f"prompt_id: longer than {limits.max_id_chars} characters")
+            return Problem(name, f"{name}: must be at most {limits.max_id_chars} characters, "
+                                 f"got {len(value)!r}")
     if not 1 <= msg.group_size <= limits.max_group_size:
-        return Problem("group_size", f"group_size: {msg.group_size} not in "
-                                     f"[1, {limits.max_group_size}]")
+        return Problem("group_size", f"group_size: must be in [1, {limits.max_group_size}], "
+                                     f"got {msg.group_size!r}")
     if msg.policy_version < 0:
-        return Problem("policy_version", f"policy_version: {msg.policy_version} is negative")
+        return Problem("policy_version", f"policy_version: must be >= 0, "
+                                         f"got {msg.policy_version!r}")
     if msg.finish_reason not in FINISH_REASONS:
-        return Problem("finish_reason", f"finish_reason: {msg.finish_reason!r} not one of "
-                                        f"{FINISH_REASONS}")
+        return Problem("finish_reason", f"finish_reason: must be one of {FINISH_REASONS}, "
+                                        f"got {msg.finish_reason!r}")
     if not math.isfinite(msg.reward):
-        return Problem("reward", f"reward: {msg.reward} is not finite")
+        return Problem("reward", f"reward: must be finite, got {msg.reward!r}")
     for key, value in msg.reward_details.items():
         if not math.isfinite(value):
-            return Problem("reward_details", f"reward_details[{key!r}]: {value} is not finite")
+            return Problem("reward_details", f"reward_details[{key!r}]: must be finite, "
+                                             f"got {value!r}")
     t = msg.timing
     for name in ("created_unix", "generation_seconds"):
         value = getattr(t, name)
         if not (math.isfinite(value) and value >= 0):
-            return Problem(f"timing.{name}", f"timing.{name}: {value} must be finite and >= 0")
+            return Problem(f"timing.{name}", f"timing.{name}: must be finite and >= 0, "
+                                             f"got {value!r}")
     return None
 
 
 def _check_tokens(msg: TrajectoryLike, limits: Limits) -> tuple[int, int, Problem | None]:
-    i32, f32 = np.dtype("<i4"), np.dtype("<f4")
-    prompt, bad = _packed(msg.prompt_tokens, i32, "prompt_tokens")
+    prompt, bad = _packed(msg.prompt_tokens, TOKEN_DTYPE, "prompt_tokens")
     if bad:
         return 0, 0, bad
-    response, bad = _packed(msg.response_tokens, i32, "response_tokens")
+    response, bad = _packed(msg.response_tokens, TOKEN_DTYPE, "response_tokens")
     if bad:
         return 0, 0, bad
-    logprobs, bad = _packed(msg.behavior_logprobs, f32, "behavior_logprobs")
+    logprobs, bad = _packed(msg.behavior_logprobs, LOGPROB_DTYPE, "behavior_logprobs")
     if bad:
         return 0, 0, bad
     assert prompt is not None and response is not None and logprobs is not None
     p, n = len(prompt), len(response)
     if p == 0:
-        return p, n, Problem("prompt_tokens", "prompt_tokens: empty")
+        return p, n, Problem("prompt_tokens", "prompt_tokens: must be non-empty, got 0 tokens")
     if n == 0:
-        return p, n, Problem("response_tokens", "response_tokens: empty")
+        return p, n, Problem("response_tokens",
+                             "response_tokens: must be non-empty, got 0 tokens")
     if p + n > limits.max_tokens:
-        return p, n, Problem("response_tokens", f"response_tokens: P+N = {p + n} exceeds "
-                                                f"max_tokens {limits.max_tokens}")
+        return p, n, Problem("response_tokens", f"response_tokens: P+N must be <= max_tokens "
+                                                f"{limits.max_tokens}, got {p + n!r}")
     for name, arr in (("prompt_tokens", prompt), ("response_tokens", response)):
         if arr.min() < 0:
-            return p, n, Problem(name, f"{name}: negative token id {int(arr.min())}")
+            return p, n, Problem(name, f"{name}: token ids must be >= 0, got {int(arr.min())!r}")
         if limits.vocab_size is not None and arr.max() >= limits.vocab_size:
-            return p, n, Problem(name, f"{name}: token id {int(arr.max())} >= vocab_size "
-                                       f"{limits.vocab_size}")
+            return p, n, Problem(name, f"{name}: token ids must be < vocab_size "
+                                       f"{limits.vocab_size}, got {int(arr.max())!r}")
     if len(logprobs) != n:
-        return p, n, Problem("behavior_logprobs", f"behavior_logprobs: {len(logprobs)} values "
-                                                  f"for {n} response tokens")
+        return p, n, Problem("behavior_logprobs", f"behavior_logprobs: must have one value per "
+                                                  f"response token ({n}), got {len(logprobs)!r}")
     if not np.isfinite(logprobs).all():
-        return p, n, Problem("behavior_logprobs", "behavior_logprobs: non-finite value")
+        return p, n, Problem("behavior_logprobs",
+                             "behavior_logprobs: must be finite, got a non-finite value")
     if logprobs.max() > limits.logprob_tolerance:
-        return p, n, Problem("behavior_logprobs", f"behavior_logprobs: {float(logprobs.max())}"
-                                                  " > 0 is not a log-probability")
+        return p, n, Problem("behavior_logprobs", f"behavior_logprobs: must be <= 0 "
+                                                  f"(log-probabilities), got "
+                                                  f"{float(logprobs.max())!r}")
     return p, n, None
 
 
 def _shape(field: str, shape, data: bytes, dtype: np.dtype, rows: int) -> Problem | None:
     if len(shape) != 3 or min(shape) < 1:
-        return Problem(field, f"{field}.shape: {list(shape)} must be 3 positive sizes")
+        return Problem(field, f"{field}.shape: must be 3 positive sizes, got {list(shape)!r}")
     if shape[0] != rows:
-        return Problem(field, f"{field}.shape: {shape[0]} rows, expected P+N-1 = {rows}")
+        return Problem(field, f"{field}.shape: must have P+N-1 = {rows} rows, "
+                              f"got {shape[0]!r}")
     if len(data) != math.prod(shape) * dtype.itemsize:
-        return Problem(field, f"{field}.data: {len(data)} bytes, shape {list(shape)} of "
-                              f"{dtype.name} needs {math.prod(shape) * dtype.itemsize}")
+        return Problem(field, f"{field}.data: must be {math.prod(shape) * dtype.itemsize} "
+                              f"bytes (shape {list(shape)} of {dtype.name}), "
+                              f"got {len(data)!r}")
     return None
 
 
@@ -132,45 +146,47 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
     if msg.HasField("router_logits"):
         lg = msg.router_logits
         if lg.dtype not in LOGIT_DTYPES:
-            return Problem("router_logits", f"router_logits.dtype: {lg.dtype!r} not one of "
-                                            f"{tuple(LOGIT_DTYPES)}")
+            return Problem("router_logits", f"router_logits.dtype: must be one of "
+                                            f"{tuple(LOGIT_DTYPES)}, got {lg.dtype!r}")
         bad = _shape("router_logits", lg.shape, lg.data, LOGIT_DTYPES[lg.dtype], rows)
         if bad:
             return bad
         logits_e = lg.shape[2]
         if num_experts is not None and logits_e != num_experts:
-            return Problem("router_logits", f"router_logits.shape: E = {logits_e}, server "
-                                            f"num_experts = {num_experts}")
+            return Problem("router_logits", f"router_logits.shape: E must be the server's "
+                                            f"num_experts {num_experts}, got {logits_e!r}")
         if np.isnan(np.frombuffer(lg.data, LOGIT_DTYPES[lg.dtype])).any():
-            return Problem("router_logits", "router_logits.data: NaN value")
+            return Problem("router_logits", "router_logits.data: must not be NaN, got a NaN")
     if not msg.HasField("routed_experts"):
         return None
     r = msg.routed_experts
     if r.dtype not in ROUTE_DTYPES:
-        return Problem("routed_experts", f"routed_experts.dtype: {r.dtype!r} not one of "
-                                         f"{tuple(ROUTE_DTYPES)}")
+        return Problem("routed_experts", f"routed_experts.dtype: must be one of "
+                                         f"{tuple(ROUTE_DTYPES)}, got {r.dtype!r}")
     bad = _shape("routed_experts", r.shape, r.data, ROUTE_DTYPES[r.dtype], rows)
     if bad:
         return bad
     if msg.HasField("router_logits") and msg.router_logits.shape[1] != r.shape[1]:
-        return Problem("router_logits", f"router_logits.shape: L = {msg.router_logits.shape[1]}"
-                                        f" differs from routed_experts L = {r.shape[1]}")
+        return Problem("router_logits", f"router_logits.shape: L must equal routed_experts' "
+                                        f"{r.shape[1]}, got {msg.router_logits.shape[1]!r}")
     # E: the server's setting, else what the producer declares, else the logits' width.
     for source in (r.num_experts or None, logits_e):
         if num_experts is None:
             num_experts = source
         elif source is not None and source != num_experts:
-            return Problem("routed_experts", f"routed_experts.num_experts: {source} "
-                                             f"inconsistent with E = {num_experts}")
+            return Problem("routed_experts", f"routed_experts.num_experts: E must agree across "
+                                             f"server, producer and router_logits, got "
+                                             f"{num_experts!r} and {source!r}")
     if num_experts is not None and r.shape[2] > num_experts:
-        return Problem("routed_experts", f"routed_experts.shape: k = {r.shape[2]} > "
-                                         f"num_experts {num_experts}")
+        return Problem("routed_experts", f"routed_experts.shape: k must be <= num_experts "
+                                         f"{num_experts}, got {r.shape[2]!r}")
     ids = np.frombuffer(r.data, ROUTE_DTYPES[r.dtype])
     if ids.min() < 0:
-        return Problem("routed_experts", f"routed_experts: negative expert id {int(ids.min())}")
+        return Problem("routed_experts", f"routed_experts: expert ids must be >= 0, "
+                                         f"got {int(ids.min())!r}")
     if num_experts is not None and ids.max() >= num_experts:
-        return Problem("routed_experts", f"routed_experts: expert id {int(ids.max())} not in "
-                                         f"[0, {num_experts})")
+        return Problem("routed_experts", f"routed_experts: expert ids must be in "
+                                         f"[0, {num_experts}), got {int(ids.max())!r}")
     return None
 
 

@@ -1,30 +1,40 @@
-"""fastwire (the queue's hot-path codec) agrees with the protobuf runtime byte for byte."""
+"""The queue's codec agrees with the protobuf runtime (the oracle: ``to_proto``/``from_proto``)."""
 
 import dataclasses
 
 import numpy as np
 import pytest
-from _queue_util import assert_same, full_traj, make_traj
 
+from satjax.queue import codec
 from satjax.queue._proto import pb2
-from satjax.queue.codec import TrajectoryView, WireError, decode, encode
-from satjax.queue.core import BatchResult
-from satjax.queue.server import encode_batch_reply
-from satjax.queue.wire import from_proto, to_proto
+from satjax.queue.codec import (
+    PUT_BATCH_TRAJECTORIES,
+    TrajectoryView,
+    WireError,
+    decode,
+    decode_batch_reply,
+    encode,
+    encode_batch_reply,
+    join_messages,
+    split_messages,
+)
+
+VARIANTS = {
+    "uint8-routes": lambda make, full: full(8),
+    "uint16-routes": lambda make, full: full(300),
+    "no-routes": lambda make, full: make("no-routes", "g", routes=False),
+    "int32-routes-defaults": lambda make, full: dataclasses.replace(
+        full(70000), policy_version=-3, reward=-0.0, reward_details={}, finish_reason="",
+        engine="", created_unix=0.0),
+    "negative-routes": lambda make, full: dataclasses.replace(
+        make("neg", "g"), routed_experts=np.full((10, 2, 2), -1)),
+}
 
 
-def variants():
-    yield full_traj(8)
-    yield full_traj(300)
-    yield make_traj("no-routes", "g", routes=False)
-    t = full_traj(70000)
-    yield dataclasses.replace(t, policy_version=-3, reward=-0.0, reward_details={},
-                              finish_reason="", engine="", created_unix=0.0)
-    yield dataclasses.replace(make_traj("neg", "g"), routed_experts=np.full((10, 2, 2), -1))
-
-
-@pytest.mark.parametrize("traj", list(variants()), ids=lambda t: t.trajectory_id)
-def test_encode_parses_to_the_same_message_and_decode_inverts(traj):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_encode_parses_to_the_same_message_and_decode_inverts(
+        variant, make_traj, full_traj, assert_same, to_proto, from_proto):
+    traj = VARIANTS[variant](make_traj, full_traj)
     raw = encode(traj)
     assert pb2.Trajectory.FromString(raw) == to_proto(traj)
     proto_raw = to_proto(traj).SerializeToString()
@@ -35,14 +45,14 @@ def test_encode_parses_to_the_same_message_and_decode_inverts(traj):
     assert view.HasField("routed_experts") == (traj.routed_experts is not None)
 
 
-def test_compact_routes_are_views_in_the_wire_dtype():
+def test_compact_routes_are_views_in_the_wire_dtype(full_traj):
     t = full_traj(8)
     back = decode(encode(t), compact_routes=True)
     assert back.routed_experts.dtype == np.uint8 and not back.routed_experts.flags.writeable
     np.testing.assert_array_equal(back.routed_experts, t.routed_experts)
 
 
-def test_malformed_bytes_raise_wire_error():
+def test_malformed_bytes_raise_wire_error(make_traj):
     raw = encode(make_traj("a", "g"))
     for bad in (raw[:-1], raw[: len(raw) // 2], b"\xff" * 12, b"\x00\x01", raw + raw[:2]):
         with pytest.raises(WireError):
@@ -53,17 +63,35 @@ def test_malformed_bytes_raise_wire_error():
         TrajectoryView(b"\x12\x02\xff\xfe")
 
 
-def test_batch_reply_splice_parses_with_protobuf_and_client_decoder():
-    from satjax.queue.client import QueueClient
-
+def test_batch_reply_splice_parses_with_protobuf_and_decodes_back(
+        make_traj, full_traj, assert_same):
     trajs = [full_traj(8), make_traj("b", "g")]
-    raw = encode_batch_reply(BatchResult([encode(t) for t in trajs], 7, {-1: 1, 3: 1}, 2))
+    raw = encode_batch_reply([encode(t) for t in trajs], 7, {-1: 1, 3: 1}, 2)
     reply = pb2.GetBatchReply.FromString(raw)
     assert reply.cursor == 7 and reply.dropped_stale == 2
     assert dict(reply.lag_histogram) == {-1: 1, 3: 1}
-    client = QueueClient("127.0.0.1:1", token="x")
-    batch = client._decode_batch(raw)
-    client.close()
-    assert batch.cursor == 7 and batch.dropped_stale == 2 and batch.lag_histogram == {-1: 1, 3: 1}
-    for a, b in zip(trajs, batch.trajectories, strict=True):
+    assert [t.trajectory_id for t in reply.trajectories] == ["traj-ü", "b"]
+    back, cursor, hist, dropped = decode_batch_reply(raw)
+    assert cursor == 7 and dropped == 2 and hist == {-1: 1, 3: 1}
+    for a, b in zip(trajs, back, strict=True):
         assert_same(a, b)
+
+
+def test_put_batch_framing_parses_with_protobuf(make_traj, to_proto):
+    trajs = [make_traj("a", "g"), make_traj("b", "g", routes=False)]
+    raw = join_messages(PUT_BATCH_TRAJECTORIES, [encode(t) for t in trajs])
+    request = pb2.PutBatchRequest.FromString(raw)
+    assert [to_proto(t) for t in trajs] == list(request.trajectories)
+    assert [bytes(v) for v in split_messages(raw, PUT_BATCH_TRAJECTORIES)] == [
+        encode(t) for t in trajs]
+
+
+def test_field_numbers_come_from_the_descriptor(make_traj):
+    # the codec hard-codes none: every number it uses is the .proto's
+    assert codec.PUT_BATCH_TRAJECTORIES == pb2.PutBatchRequest.DESCRIPTOR.fields_by_name[
+        "trajectories"].number
+    traj = make_traj("a", "g", version=3)
+    by_name = {f.name: f.number for f in pb2.Trajectory.DESCRIPTOR.fields}
+    seen = {field for field, _, _ in codec.iter_fields(memoryview(encode(traj)))}
+    assert seen <= set(by_name.values())
+    assert by_name["policy_version"] in seen and by_name["routed_experts"] in seen

@@ -7,17 +7,9 @@ import sys
 import time
 
 import pytest
-from _queue_util import REPO, TOKEN, env, start_server
 
 from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
 from satjax.utils import free_port
-
-
-def start_producer(address, prefix, count, log, batch=4, group_size=2):
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "_queue_util.py"), "--address", address,
-         "--prefix", prefix, "--count", str(count), "--batch", str(batch),
-         "--group-size", str(group_size), "--log", str(log)], env=env())
 
 
 def logged(path):
@@ -30,14 +22,15 @@ def stop(proc):
     proc.wait()
 
 
-def test_kill9_mid_stream_loses_nothing_and_redelivers_no_ack(tmp_path):
+def test_kill9_mid_stream_loses_nothing_and_redelivers_no_ack(
+        tmp_path, token, start_server, start_producer):
     port, data = free_port(), tmp_path / "queue"
     address = f"127.0.0.1:{port}"
     extra = ("--fsync", "always", "--segment-mb", "0.02")  # ~20 KB segments: rolls and GC
     server = start_server(data, port, *extra)
     log = tmp_path / "acknowledged.txt"
     producer = start_producer(address, "p", 300, log)
-    client = QueueClient(address, token=TOKEN, retries=80, backoff_s=0.05, max_backoff_s=0.5)
+    client = QueueClient(address, token=token, retries=80, backoff_s=0.05, max_backoff_s=0.5)
     acked: collections.Counter[str] = collections.Counter()
     held: list[str] = []
     deadline = time.monotonic() + 120
@@ -78,14 +71,14 @@ def test_kill9_mid_stream_loses_nothing_and_redelivers_no_ack(tmp_path):
     assert max(acked.values()) == 1                        # and nothing twice
 
 
-def test_three_producers_one_consumer_exact_totals(tmp_path):
+def test_three_producers_one_consumer_exact_totals(tmp_path, token, start_server, start_producer):
     port = free_port()
     address = f"127.0.0.1:{port}"
     server = start_server(tmp_path / "queue", port, "--fsync", "batch")
     logs = [tmp_path / f"p{i}.txt" for i in range(3)]
     producers = [start_producer(address, f"w{i}", 60, logs[i], batch=6, group_size=3)
                  for i in range(3)]
-    client = QueueClient(address, token=TOKEN, retries=20)
+    client = QueueClient(address, token=token, retries=20)
     received: collections.Counter[str] = collections.Counter()
     groups_seen: collections.Counter[str] = collections.Counter()
     try:
@@ -118,27 +111,27 @@ def test_three_producers_one_consumer_exact_totals(tmp_path):
     assert sorted(t for log in logs for t in logged(log)) == sorted(expected)
 
 
-def test_cli_refuses_to_start_without_a_token(tmp_path):
-    e = env()
-    e.pop("SATJAX_QUEUE_TOKEN", None)
+def test_cli_refuses_to_start_without_a_token(tmp_path, subprocess_env):
+    e = dict(subprocess_env)
+    e.pop("SATJAX_QUEUE_token", None)
     r = subprocess.run([sys.executable, "-m", "satjax", "serve-queue", "--port", "0",
                         "--data-dir", str(tmp_path)], env=e, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "token" in r.stderr
 
 
-def test_cli_token_file_and_host(tmp_path):
-    (tmp_path / "tok").write_text(TOKEN + "\n")
+def test_cli_token_file_and_host(tmp_path, token, subprocess_env):
+    (tmp_path / "tok").write_text(token + "\n")
     port = free_port()
-    e = env()
-    e.pop("SATJAX_QUEUE_TOKEN", None)
+    e = dict(subprocess_env)
+    e.pop("SATJAX_QUEUE_token", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "satjax", "serve-queue", "--port", str(port), "--data-dir",
          str(tmp_path / "q"), "--token-file", str(tmp_path / "tok"), "--log-level", "WARNING"],
         env=e, stdout=subprocess.PIPE, text=True)
     try:
         assert "listening on 127.0.0.1:" in proc.stdout.readline()
-        with QueueClient(f"127.0.0.1:{port}", token=TOKEN) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token) as c:
             assert c.stats()["pending"] == 0
         with QueueClient(f"127.0.0.1:{port}", token="wrong") as c, pytest.raises(QueueError):
             c.stats()

@@ -7,7 +7,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from _queue_util import TOKEN, make_traj
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from satjax.queue._proto import pb2
@@ -18,27 +17,26 @@ from satjax.queue.client import (
     QueueUnavailableError,
     QueueValidationError,
 )
-from satjax.queue.core import QueueConfig
+from satjax.queue.core import QueueSettings
 from satjax.queue.server import QueueServer
 from satjax.queue.validation import Limits
-from satjax.queue.wire import to_proto
 
 
 class Harness:
     """Starts/restarts an in-process server on one data dir; hands out clients."""
 
-    def __init__(self, data_dir, **kw):
-        self.data_dir, self.kw = data_dir, kw
+    def __init__(self, data_dir, token, **kw):
+        self.data_dir, self.token, self.kw = data_dir, token, kw
         self.server = None
         self.clients = []
 
     def start(self):
-        self.server = QueueServer(self.data_dir, TOKEN, **self.kw)
+        self.server = QueueServer(self.data_dir, self.token, **self.kw)
         self.port = self.server.start(0)
         return self.client()
 
-    def client(self, token=TOKEN, **kw):
-        c = QueueClient(f"127.0.0.1:{self.port}", token=token, retries=0, **kw)
+    def client(self, token=None, **kw):
+        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retries=0, **kw)
         self.clients.append(c)
         return c
 
@@ -54,11 +52,11 @@ class Harness:
 
 
 @pytest.fixture
-def harness(tmp_path):
+def harness(tmp_path, token):
     made = []
 
     def make(**kw):
-        h = Harness(tmp_path / f"q{len(made)}", **kw)
+        h = Harness(tmp_path / f"q{len(made)}", token, **kw)
         made.append(h)
         return h, h.start()
 
@@ -67,21 +65,16 @@ def harness(tmp_path):
         h.close()
 
 
-def group(prefix, size, version=0, **kw):
-    return [make_traj(f"{prefix}-{i}", prefix, version=version, group_size=size, seed=i, **kw)
-            for i in range(size)]
-
-
 def ids(batch):
     return sorted(t.trajectory_id for t in batch.trajectories)
 
 
 # -- auth ---------------------------------------------------------------------------------
-def test_wrong_or_missing_token_is_refused(harness):
+def test_wrong_or_missing_token_is_refused(harness, make_group):
     h, good = harness()
     bad = h.client(token="not-the-token")
     with pytest.raises(QueueAuthError, match="UNAUTHENTICATED"):
-        bad.put(group("g", 1))
+        bad.put(make_group("g", 1))
     for call in (lambda: bad.get_batch(1, 0), lambda: bad.ack(1), bad.stats,
                  lambda: bad.should_pause(0)):
         with pytest.raises(QueueAuthError):
@@ -110,7 +103,7 @@ def test_wrong_or_missing_token_is_refused(harness):
     assert good.stats()["accepted_total"] == 0  # the refused put stored nothing
 
 
-def test_put_without_token_raises_unauthenticated(harness):
+def test_put_without_token_raises_unauthenticated(harness, make_traj, to_proto):
     h, _ = harness()
     channel = grpc.insecure_channel(f"127.0.0.1:{h.port}")
     put = channel.stream_unary("/satjax.queue.v1.TrajectoryQueue/Put",
@@ -193,9 +186,9 @@ def _mutations():
     }
 
 
-def test_every_validation_rule_rejects_only_the_bad_item(harness):
+def test_every_validation_rule_rejects_only_the_bad_item(harness, make_traj, to_proto):
     limits = Limits(max_tokens=30, num_experts=8, vocab_size=1000)
-    h, client = harness(config=QueueConfig(limits=limits))
+    h, client = harness(settings=QueueSettings(limits=limits))
     mutations = _mutations()
     stream, expected = [], {}
     for i, (name, (mutate, field)) in enumerate(mutations.items()):
@@ -223,7 +216,7 @@ def test_every_validation_rule_rejects_only_the_bad_item(harness):
     assert e.value.rejections[0].field == "behavior_logprobs"
 
 
-def test_logprob_tolerance_and_consistent_shapes_without_server_E(harness):
+def test_logprob_tolerance_and_consistent_shapes_without_server_E(harness, make_traj, to_proto):
     h, client = harness()  # no --num-experts: E from the producer's declaration
     t = make_traj("tiny-positive", "a")
     t.behavior_logprobs[0] = 5e-5
@@ -236,10 +229,11 @@ def test_logprob_tolerance_and_consistent_shapes_without_server_E(harness):
     m3 = to_proto(t3)
     m3.routed_experts.num_experts = 16
     r = client.put([m3])
-    assert r.rejected[0].field == "routed_experts" and "inconsistent" in r.rejected[0].message
+    assert r.rejected[0].field == "routed_experts" and "agree" in r.rejected[0].message
+    assert "16 and 8" in r.rejected[0].message
 
 
-def test_undecodable_item_does_not_drop_the_stream(harness):
+def test_undecodable_item_does_not_drop_the_stream(harness, token, make_traj, to_proto):
     h, client = harness()
     channel = grpc.insecure_channel(f"127.0.0.1:{h.port}")
     put = channel.stream_unary("/satjax.queue.v1.TrajectoryQueue/Put",
@@ -247,14 +241,14 @@ def test_undecodable_item_does_not_drop_the_stream(harness):
                                response_deserializer=pb2.PutReply.FromString)
     raw = [to_proto(make_traj(f"t{i}", f"g{i}")).SerializeToString() for i in range(2)]
     reply = put(iter([raw[0], b"\xff\xff\xff\xff", raw[1]]),
-                metadata=(("authorization", f"Bearer {TOKEN}"),))
+                metadata=(("authorization", f"Bearer {token}"),))
     assert list(reply.accepted_ids) == ["t0", "t1"]
     assert [(r.index, r.field) for r in reply.rejections] == [(1, "trajectory")]
     channel.close()
 
 
-def test_future_versions_are_rejected(harness):
-    h, client = harness(config=QueueConfig(future_slack=1))
+def test_future_versions_are_rejected(harness, make_traj):
+    h, client = harness(settings=QueueSettings(future_slack=1))
     assert client.put([make_traj("early", "e", version=100)]).ok  # no trainer yet: no bound
     client.get_batch(2, trainer_version=3, max_lag=200)
     r = client.put([make_traj("ok", "x", version=5), make_traj("future", "y", version=6)])
@@ -262,9 +256,9 @@ def test_future_versions_are_rejected(harness):
     assert r.rejected[0].field == "policy_version" and "future" in r.rejected[0].message
 
 
-def test_group_consistency_and_duplicates(harness):
+def test_group_consistency_and_duplicates(harness, make_traj, make_group):
     h, client = harness()
-    a = group("a", 2)
+    a = make_group("a", 2)
     r = client.put([a[0], dataclasses.replace(a[1], group_size=3)])
     assert r.rejected[0].field == "group_size"
     r = client.put([dataclasses.replace(a[1], prompt_id="other")])
@@ -277,7 +271,7 @@ def test_group_consistency_and_duplicates(harness):
     assert client.stats()["accepted_total"] == 2
 
 
-def test_message_size_limit(harness):
+def test_message_size_limit(harness, make_traj):
     h, client = harness(max_message_mb=1)
     big = make_traj("big", "big", p=100, n=1000, layers=48, k=8, experts=128)
     # 1099 rows x 48 x 8 uint8 = 422 KB: fits one message, three do not fit one reply
@@ -291,10 +285,10 @@ def test_message_size_limit(harness):
 
 
 # -- lag and groups -----------------------------------------------------------------------
-def test_lag_filter_drop_counts_and_histogram(harness):
+def test_lag_filter_drop_counts_and_histogram(harness, make_group):
     h, client = harness()
     for v in range(6):
-        client.put(group(f"v{v}", 2, version=v))
+        client.put(make_group(f"v{v}", 2, version=v))
     batch = client.get_batch(6, trainer_version=5, max_lag=2)
     assert ids(batch) == sorted(f"v{v}-{i}" for v in (3, 4, 5) for i in range(2))
     assert batch.dropped_stale == 6
@@ -308,26 +302,26 @@ def test_lag_filter_drop_counts_and_histogram(harness):
     assert client.get_batch(2, 5, max_lag=10, allow_partial=True).trajectories == []
 
 
-def test_default_max_lag_and_mixed_staleness_group(harness):
-    h, client = harness(config=QueueConfig(max_lag_default=2))
-    g = group("mixed", 3)
+def test_default_max_lag_and_mixed_staleness_group(harness, make_group):
+    h, client = harness(settings=QueueSettings(max_lag_default=2))
+    g = make_group("mixed", 3)
     g[0].policy_version, g[1].policy_version = 1, 4  # oldest member decides: lag 4 > 2
     client.put(g[:2])
     assert client.get_batch(3, trainer_version=5, timeout=0.1).dropped_stale == 2
     g[2].policy_version = 5
     client.put([g[2]])  # late member of a dropped group is dropped too
-    client.put(group("fresh", 3, version=5))
+    client.put(make_group("fresh", 3, version=5))
     batch = client.get_batch(3, trainer_version=5)
     assert ids(batch) == ["fresh-0", "fresh-1", "fresh-2"] and batch.dropped_stale == 1
 
 
-def test_complete_groups_only(harness):
+def test_complete_groups_only(harness, make_group):
     h, client = harness()
-    g = group("g", 3)
+    g = make_group("g", 3)
     client.put(g[:2])
     assert client.get_batch(3, 0, timeout=0.2).trajectories == []
     assert client.get_batch(3, 0, allow_partial=True).trajectories == []
-    client.put(group("h", 3))  # h completes first but g is older: g goes first once whole
+    client.put(make_group("h", 3))  # h completes first but g is older: g goes first once whole
     threading.Timer(0.2, lambda: client.put(g[2:])).start()
     t0 = time.monotonic()
     batch = client.get_batch(6, 0, timeout=10)
@@ -335,7 +329,7 @@ def test_complete_groups_only(harness):
     assert [t.trajectory_id for t in batch.trajectories] == ["g-0", "g-1", "g-2",
                                                               "h-0", "h-1", "h-2"]
     with pytest.raises(QueueValidationError, match="multiple of group_size"):
-        client.put(group("k", 3))
+        client.put(make_group("k", 3))
         client.get_batch(4, 0)
     partial = client.get_batch(6, 0, timeout=0.1, allow_partial=True)
     assert ids(partial) == ["k-0", "k-1", "k-2"]
@@ -344,8 +338,8 @@ def test_complete_groups_only(harness):
 
 
 # -- pausing ------------------------------------------------------------------------------
-def test_should_pause(harness):
-    h, client = harness(config=QueueConfig(max_pending=100))
+def test_should_pause(harness, make_group):
+    h, client = harness(settings=QueueSettings(max_pending=100))
     d = client.should_pause(0)
     assert not d.pause and d.trainer_version == -1
     client.get_batch(2, trainer_version=10, max_lag=2)  # empty; trainer now at 10, n = 2
@@ -353,7 +347,7 @@ def test_should_pause(harness):
     assert not client.should_pause(9).pause            # lag 2
     d = client.should_pause(8)                          # lag 3 > 2: would be wasted
     assert d.pause and d.predicted_lag == 3 and "max_lag 2" in d.reason
-    client.put(group("a", 2, version=10) + group("b", 2, version=10))
+    client.put(make_group("a", 2, version=10) + make_group("b", 2, version=10))
     d = client.should_pause(9)  # 4 fresh pending = 2 batches ahead: consumed at 13
     assert d.pause and d.predicted_lag == 4 and d.pending_fresh == 4
     assert not client.should_pause(11).pause
@@ -365,22 +359,22 @@ def test_should_pause(harness):
     while client.should_pause(10).predicted_lag != 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert client.should_pause(10).predicted_lag == 2  # 12 - 10, not 13 - 10
-    client.put(group("c", 2, version=12))
+    client.put(make_group("c", 2, version=12))
     waiter.join()
 
 
-def test_should_pause_back_pressure(harness):
-    h, client = harness(config=QueueConfig(max_pending=3))
+def test_should_pause_back_pressure(harness, make_traj):
+    h, client = harness(settings=QueueSettings(max_pending=3))
     client.put([make_traj(f"t{i}", f"g{i}") for i in range(3)])
     d = client.should_pause(0)
     assert d.pause and "max_pending" in d.reason
 
 
 # -- acks, restart, durability ------------------------------------------------------------
-def test_ack_cursor_semantics_and_restart(harness):
+def test_ack_cursor_semantics_and_restart(harness, make_group):
     h, client = harness()
     for name in "abcd":
-        client.put(group(name, 2))
+        client.put(make_group(name, 2))
     b1 = client.get_batch(2, 0)
     b2 = client.get_batch(2, 0)
     b3 = client.get_batch(2, 0)
@@ -396,11 +390,11 @@ def test_ack_cursor_semantics_and_restart(harness):
     assert client.get_batch(2, 0, allow_partial=True).trajectories == []
 
 
-def test_redeliver_unacked_without_restart_and_out_of_order_acks(harness):
+def test_redeliver_unacked_without_restart_and_out_of_order_acks(harness, make_group):
     h, client = harness()
-    a = group("a", 2)
+    a = make_group("a", 2)
     client.put(a[:1])                  # seq 1: incomplete group
-    client.put(group("b", 2))          # seq 2, 3
+    client.put(make_group("b", 2))          # seq 2, 3
     b = client.get_batch(2, 0)
     assert ids(b) == ["b-0", "b-1"]
     assert client.get_batch(2, 0, redeliver_unacked=True).cursor == b.cursor
@@ -417,7 +411,7 @@ def _segments(path):
     return sorted(path.glob("seg-*.log"))
 
 
-def test_torn_tail_is_truncated(harness):
+def test_torn_tail_is_truncated(harness, make_traj):
     h, client = harness()
     client.put([make_traj(f"t{i}", f"g{i}") for i in range(3)])
     h.server.stop(None)
@@ -439,8 +433,8 @@ def test_torn_tail_is_truncated(harness):
     assert sorted(ids(client.get_batch(3, 0))) == ["t0", "t1", "t9"]
 
 
-def test_segments_roll_and_are_garbage_collected(harness):
-    h, client = harness(config=QueueConfig(segment_bytes=300))
+def test_segments_roll_and_are_garbage_collected(harness, make_traj):
+    h, client = harness(settings=QueueSettings(segment_bytes=300))
     for i in range(12):
         client.put([make_traj(f"t{i}", f"g{i}")])
     assert len(_segments(h.data_dir)) >= 4
@@ -456,20 +450,20 @@ def test_segments_roll_and_are_garbage_collected(harness):
     assert ids(batch) == ["new"] and batch.cursor == 13  # sequence numbers keep growing
 
 
-def test_unavailable_is_retried_then_reported(tmp_path):
+def test_unavailable_is_retried_then_reported(tmp_path, token):
     from satjax.utils import free_port
 
     port = free_port()
-    c = QueueClient(f"127.0.0.1:{port}", token=TOKEN, retries=2, backoff_s=0.01)
+    c = QueueClient(f"127.0.0.1:{port}", token=token, retries=2, backoff_s=0.01)
     t0 = time.monotonic()
     with pytest.raises(QueueUnavailableError):
         c.stats()
     assert time.monotonic() - t0 < 10
     with pytest.raises(QueueUnavailableError):
         c.wait_ready(timeout=0.3)
-    server = QueueServer(tmp_path, TOKEN)
+    server = QueueServer(tmp_path, token)
     threading.Timer(0.3, lambda: server.start(port)).start()
-    c2 = QueueClient(f"127.0.0.1:{port}", token=TOKEN, retries=30, backoff_s=0.05)
+    c2 = QueueClient(f"127.0.0.1:{port}", token=token, retries=30, backoff_s=0.05)
     try:
         assert c2.stats()["pending"] == 0  # succeeded after retrying while the server came up
     finally:
@@ -479,10 +473,8 @@ def test_unavailable_is_retried_then_reported(tmp_path):
         c2.close()
 
 
-def test_delivered_content_matches_put_from_cache_and_from_disk(harness):
-    from _queue_util import assert_same
-
-    h, client = harness(config=QueueConfig(cache_bytes=3000))  # cache holds only a few
+def test_delivered_content_matches_put_from_cache_and_from_disk(harness, make_traj, assert_same):
+    h, client = harness(settings=QueueSettings(cache_bytes=3000))  # cache holds only a few
     sent = [make_traj(f"t{i}", f"g{i // 2}", group_size=2, seed=i, logits=True)
             for i in range(8)]
     client.put(sent)
@@ -495,7 +487,7 @@ def test_delivered_content_matches_put_from_cache_and_from_disk(harness):
         assert_same(t, got[t.trajectory_id])
 
 
-def test_put_batch_unary(harness):
+def test_put_batch_unary(harness, token, make_traj, to_proto):
     h, client = harness()
     bad = to_proto(make_traj("bad", "b"))
     bad.behavior_logprobs = b""
@@ -504,7 +496,7 @@ def test_put_batch_unary(harness):
     put_batch = channel.unary_unary("/satjax.queue.v1.TrajectoryQueue/PutBatch",
                                     request_serializer=pb2.PutBatchRequest.SerializeToString,
                                     response_deserializer=pb2.PutReply.FromString)
-    reply = put_batch(request, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    reply = put_batch(request, metadata=(("authorization", f"Bearer {token}"),))
     channel.close()
     assert list(reply.accepted_ids) == ["ok"]
     assert [(r.index, r.field) for r in reply.rejections] == [(1, "behavior_logprobs")]
@@ -532,7 +524,7 @@ def test_stop_wakes_a_waiting_get_batch_with_unavailable(harness):
     h.server = None
 
 
-def test_client_streams_when_a_batch_exceeds_one_message(harness):
+def test_client_streams_when_a_batch_exceeds_one_message(harness, make_traj, to_proto):
     h, _ = harness()
     client = h.client(max_message_mb=0.01)  # 10 KiB: 60 small trajectories need a stream
     trajs = [make_traj(f"s{i}", f"s{i}", seed=i) for i in range(60)]
@@ -543,3 +535,15 @@ def test_client_streams_when_a_batch_exceeds_one_message(harness):
     result = client.put(sent)
     assert [(r.index, r.field) for r in result.rejected] == [(30, "behavior_logprobs")]
     assert len(result.accepted) == 59
+
+
+def test_cli_defaults_come_from_the_config_schema():
+    from satjax import config
+    from satjax.queue.server import build_parser
+
+    args = build_parser().parse_args(["--data-dir", "q"])
+    assert args.fsync == config.QueueConfig().fsync
+    assert args.max_lag_default == config.TrainConfig().max_lag
+    assert QueueSettings().fsync == args.fsync  # the library and the CLI agree
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--data-dir", "q", "--fsync", "sometimes"])

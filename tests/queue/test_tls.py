@@ -4,7 +4,6 @@ import shutil
 import subprocess
 
 import pytest
-from _queue_util import TOKEN, make_traj
 
 from satjax.queue.client import QueueClient, QueueUnavailableError
 from satjax.queue.server import QueueServer
@@ -48,23 +47,23 @@ def self_signed(tmp_path):
     return cert, key
 
 
-def test_tls_round_trip_and_plaintext_refused(tmp_path):
+def test_tls_round_trip_and_plaintext_refused(tmp_path, token, make_traj):
     cert, key = self_signed(tmp_path)
-    server = QueueServer(tmp_path / "q", TOKEN, tls_cert=cert, tls_key=key)
+    server = QueueServer(tmp_path / "q", token, tls_cert=cert, tls_key=key)
     port = server.start(0)
     try:
-        with QueueClient(f"127.0.0.1:{port}", token=TOKEN, tls_ca=cert) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, tls_ca=cert) as c:
             c.wait_ready(10)
             assert c.put([make_traj("secure", "g")]).ok
             batch = c.get_batch(1, 0)
             assert [t.trajectory_id for t in batch.trajectories] == ["secure"]
-        with QueueClient(f"127.0.0.1:{port}", token=TOKEN, retries=0) as plain:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as plain:
             with pytest.raises(QueueUnavailableError):
                 plain.stats()
     finally:
         server.stop(None)
 
 
-def test_tls_needs_cert_and_key(tmp_path):
+def test_tls_needs_cert_and_key(tmp_path, token):
     with pytest.raises(ValueError, match="tls_cert/tls_key"):
-        QueueServer(tmp_path, TOKEN, tls_cert=tmp_path / "c.pem")
+        QueueServer(tmp_path, token, tls_cert=tmp_path / "c.pem")

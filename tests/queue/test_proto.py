@@ -1,20 +1,23 @@
-"""Schema v1: round trip of every Trajectory field, route packing, proto (re)generation."""
+"""Schema v1: the protobuf oracle round-trips every field, route packing, the built stubs."""
 
 import dataclasses
-import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
-from _queue_util import assert_same, full_traj, make_traj
+from google.protobuf import descriptor_pb2
 
-from satjax.queue import _proto
 from satjax.queue._proto import pb2
-from satjax.queue.wire import from_proto, route_dtype_name, to_proto
+from satjax.queue.codec import decode, encode, route_dtype_name
+
+REPO = Path(__file__).resolve().parents[2]
+PROTO = "satjax/queue/trajectory.proto"
 
 
 @pytest.mark.parametrize("experts,dtype", [(8, "uint8"), (256, "uint8"), (300, "uint16"),
                                            (70000, "int32")])
-def test_round_trip_every_field(experts, dtype):
+def test_round_trip_every_field(experts, dtype, full_traj, assert_same, to_proto, from_proto):
     t = full_traj(experts)
     t.routed_experts[0, 0, 0] = experts - 1  # the largest id must survive narrowing
     msg = to_proto(t)
@@ -29,14 +32,14 @@ def test_round_trip_every_field(experts, dtype):
     back.prompt_tokens[0] = 5  # arrays are writable copies, not views of the message
 
 
-def test_round_trip_without_optional_arrays():
+def test_round_trip_without_optional_arrays(make_traj, assert_same, to_proto, from_proto):
     t = make_traj("a", "g", routes=False)
     msg = to_proto(t)
     assert not msg.HasField("routed_experts") and not msg.HasField("router_logits")
     assert_same(t, from_proto(pb2.Trajectory.FromString(msg.SerializeToString())))
 
 
-def test_route_dtype_rules():
+def test_route_dtype_rules(make_traj):
     r = np.array([[[0, 255]]])
     assert route_dtype_name(r, None) == "uint8"
     assert route_dtype_name(r, 300) == "uint16"
@@ -46,43 +49,54 @@ def test_route_dtype_rules():
     assert route_dtype_name(np.array([[[-1]]]), 8) == "int32"
     t = make_traj("a", "g")
     t.routed_experts[0, 0, 0] = -1
-    back = from_proto(to_proto(t, num_experts=8))
+    back = decode(encode(t, num_experts=8))
     assert back.routed_experts[0, 0, 0] == -1
 
 
-def test_uint8_routes_are_compact():
+def test_uint8_routes_are_compact(make_traj, to_proto):
     t = make_traj("a", "g", p=100, n=1000, layers=48, k=8, experts=128)
     msg = to_proto(t)
     assert len(msg.routed_experts.data) == (1099 * 48 * 8)
 
 
-def test_bad_shapes_name_the_argument():
+def test_bad_shapes_name_the_argument(make_traj):
     t = make_traj("a", "g")
     with pytest.raises(ValueError, match="routed_experts"):
-        to_proto(dataclasses.replace(t, routed_experts=np.zeros((3, 2), np.int32)))
+        encode(dataclasses.replace(t, routed_experts=np.zeros((3, 2), np.int32)))
+    with pytest.raises(ValueError, match="router_logits"):
+        encode(dataclasses.replace(t, router_logits=np.zeros((3, 2), np.float16)))
     with pytest.raises(ValueError, match="schema_version"):
-        from_proto(pb2.Trajectory(schema_version=2))
+        decode(pb2.Trajectory(schema_version=2).SerializeToString())
 
 
-def test_generated_modules_are_regenerated_when_stale(tmp_path):
-    _proto.generate(tmp_path)
-    assert not _proto.is_stale(tmp_path)
-    old = _proto.PROTO.stat().st_mtime - 10
-    os.utime(tmp_path / "trajectory_pb2.py", (old, old))
-    assert _proto.is_stale(tmp_path)
-    (tmp_path / "trajectory_pb2_grpc.py").unlink()
-    assert _proto.is_stale(tmp_path)
-    _proto.generate(tmp_path)
-    assert not _proto.is_stale(tmp_path)
-    text = (tmp_path / "trajectory_pb2_grpc.py").read_text()
-    assert "from satjax.queue import trajectory_pb2" in text
+def _strip_json_names(desc):
+    # protoc's descriptor set carries json_name; the Python stub's embedded copy does not
+    for msg in desc.message_type if hasattr(desc, "message_type") else desc.nested_type:
+        for field in msg.field:
+            field.ClearField("json_name")
+        _strip_json_names(msg)
+    return desc
+
+
+def test_built_modules_match_the_proto(tmp_path):
+    from grpc_tools import protoc
+
+    include = Path(protoc.__file__).resolve().parent / "_proto"
+    out = tmp_path / "trajectory.desc"
+    rc = protoc.main(["grpc_tools.protoc", f"-I{REPO}", f"-I{include}",
+                      f"--descriptor_set_out={out}", str(REPO / PROTO)])
+    assert rc == 0
+    (now,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    built = descriptor_pb2.FileDescriptorProto.FromString(pb2.DESCRIPTOR.serialized_pb)
+    assert built.name == PROTO
+    # stale stubs (the .proto edited, `pip install -e .` not rerun) fail here
+    assert _strip_json_names(built) == _strip_json_names(now)
 
 
 def test_generated_files_are_not_committed():
-    import subprocess
-
     out = subprocess.run(["git", "ls-files", "satjax/queue"], capture_output=True, text=True,
-                         cwd=_proto.PROTO_ROOT)
+                         cwd=REPO)
     if out.returncode != 0:
         pytest.skip("not a git checkout")
+    assert "trajectory.proto" in out.stdout
     assert "_pb2" not in out.stdout
