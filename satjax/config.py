@@ -1,17 +1,23 @@
 """Run configuration: one typed schema, loaded from YAML, overridable from the CLI.
 
-Unknown keys and wrong types fail with a message naming the dotted key, e.g.
-``config key 'train.lr': expected float, got 'fast'``.
+The dataclass defaults here are THE defaults of the project: code that needs one outside
+a loaded config (a CLI flag's default, a library argument's) reads it from these classes,
+e.g. ``QueueConfig().fsync``. This module imports no jax, so the queue server and other
+light processes can use it.
+
+Unknown keys, wrong types and values outside a ``Literal`` fail with a message naming the
+dotted key, e.g. ``config key 'rollout.engine': must be one of 'builtin', 'vllm', got 'x'``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -20,27 +26,65 @@ class ConfigError(ValueError):
     """A bad configuration key or value; the message names the dotted key."""
 
 
+Dtype = Literal["float32", "bfloat16"]
+FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; their product must equal the device count."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeshConfig.{name}: must be a positive int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.expert, self.tensor)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def validate(self, num_devices: int) -> None:
+        """Raises ValueError unless data*fsdp*expert*tensor == num_devices."""
+        if self.size != num_devices:
+            raise ValueError(
+                f"MeshConfig {dict(zip(MESH_AXES, self.shape, strict=True))} has "
+                f"data*fsdp*expert*tensor = {self.size} but there are {num_devices} devices; "
+                "the product of the mesh axes must equal the device count"
+            )
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    preset: str = "tiny"  # "tiny" or "" when loading from `path`
+    preset: Literal["tiny", ""] = "tiny"  # "" when loading from `path`
     path: str = ""  # local Hugging Face checkpoint directory (config.json + safetensors)
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # Qwen3MoeConfig fields
-    param_dtype: str = "float32"
+    param_dtype: Dtype = "float32"
 
 
 @dataclasses.dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # "arithmetic" | "jsonl"
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"
     min_digits: int = 1
     max_digits: int = 2
-    ops: tuple[str, ...] = ("+",)
+    ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     jsonl_path: str = ""
     tokenizer_path: str = ""  # local HF tokenizer dir; empty: the built-in char tokenizer
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    engine: str = "builtin"  # "builtin" | "vllm"
+    engine: Literal["builtin", "vllm"] = "builtin"
     num_workers: int = 1
     group_size: int = 8
     prompts_per_step: int = 8
@@ -48,7 +92,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 8
-    sample_dtype: str = "bfloat16"
+    sample_dtype: Dtype = "bfloat16"
     record_routes: bool = True
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
 
@@ -58,21 +102,13 @@ class QueueConfig:
     address: str = ""  # empty: start a local queue server subprocess
     data_dir: str = ""  # empty: <run_dir>/queue
     token: str = ""  # empty: a random token for the local server
-    fsync: str = "batch"
+    fsync: FsyncPolicy = "batch"
 
 
 @dataclasses.dataclass
 class ObjectiveConfig:
     name: str = "sat_gspo"
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class MeshConfigYaml:
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
 
 
 @dataclasses.dataclass
@@ -84,10 +120,10 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     replay: bool = True
-    max_lag: int = 1
+    max_lag: int = 1  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
-    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-    mesh: MeshConfigYaml = dataclasses.field(default_factory=MeshConfigYaml)
+    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
 @dataclasses.dataclass
@@ -136,6 +172,12 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         return _build(typ, value, key)
     if typ is Any:
         return value
+    if origin is Literal:
+        allowed = typing.get_args(typ)
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ConfigError(f"config key {key!r}: must be one of {choices}, got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(typ)
         if value is None and type(None) in args:
@@ -175,7 +217,10 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
         if k not in names:
             raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(names))}")
         kwargs[k] = _coerce(v, hints[k], key)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own check, e.g. MeshConfig's positive sizes
+        raise ConfigError(f"config key {prefix or cls.__name__!r}: {e}") from None
 
 
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
@@ -208,31 +253,33 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def _check_values(cfg: Config) -> None:
+    """Range checks across fields (types and Literal choices were checked while loading)."""
+
     def need(cond: bool, key: str, what: str) -> None:
         if not cond:
-            raise ConfigError(f"config key {key!r}: {what}")
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
 
-    need(cfg.rollout.engine in ("builtin", "vllm"), "rollout.engine", "builtin or vllm")
-    need(cfg.task.name in ("arithmetic", "jsonl"), "task.name", "arithmetic or jsonl")
-    need(cfg.task.name != "jsonl" or bool(cfg.task.jsonl_path), "task.jsonl_path", "required")
-    need(cfg.rollout.group_size >= 2, "rollout.group_size", "must be >= 2 (group baseline)")
-    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
-    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", "must be >= 1")
-    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-    need(cfg.rollout.temperature >= 0, "rollout.temperature", "must be >= 0")
-    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-    need(cfg.train.steps >= 0, "train.steps", "must be >= 0")
-    need(cfg.train.max_lag >= 0, "train.max_lag", "must be >= 0")
-    need(cfg.train.learning_rate > 0, "train.learning_rate", "must be > 0")
-    need(cfg.train.grad_accum >= 1, "train.grad_accum", "must be >= 1")
-    need(
-        cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
-        "train.exact_lag",
-        "must be <= train.max_lag (or -1 for free-running workers)",
-    )
-    need(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
-    need(cfg.rollout.sample_dtype in ("float32", "bfloat16"), "rollout.sample_dtype",
-         "float32 or bfloat16")
+    need(cfg.task.name != "jsonl" or bool(cfg.task.jsonl_path), "task.jsonl_path",
+         "set when task.name is 'jsonl'")
+    need(cfg.rollout.group_size >= 2, "rollout.group_size", ">= 2 (the group baseline)")
+    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1")
+    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", ">= 1")
+    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1")
+    need(cfg.rollout.temperature >= 0, "rollout.temperature", ">= 0")
+    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "in (0, 1]")
+    need(cfg.train.steps >= 0, "train.steps", ">= 0")
+    need(cfg.train.max_lag >= 0, "train.max_lag", ">= 0")
+    need(cfg.train.learning_rate > 0, "train.learning_rate", "> 0")
+    need(cfg.train.grad_accum >= 1, "train.grad_accum", ">= 1")
+    need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
+         "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
+    need(len(cfg.train.buckets) >= 1 and min(cfg.train.buckets) >= 1, "train.buckets",
+         "a non-empty list of positive lengths")
+    need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
+    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
 
 
 def dump_config(cfg: Config) -> str:

@@ -3,16 +3,18 @@ sampling parameters. Shared by ``satjax train | rollout | eval | sft | lag-sweep
 
 from __future__ import annotations
 
+import typing
+
 import jax.numpy as jnp
 from flax import nnx
 
-from satjax.config import Config
+from satjax.config import Config, Dtype
 from satjax.data.tasks import ArithmeticTask, JsonlMathTask, load_jsonl_examples
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.sampling import SamplingParams
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {name: jnp.dtype(name) for name in typing.get_args(Dtype)}
 
 
 def build_task(cfg: Config):
@@ -32,7 +34,10 @@ def build_tokenizer(cfg: Config):
 
 def model_config(cfg: Config, tokenizer) -> Qwen3MoeConfig:
     if cfg.model.preset != "tiny":
-        raise ValueError(f"model.preset: only 'tiny' is built in, got {cfg.model.preset!r}")
+        raise ValueError(
+            f"model.preset: must be 'tiny' (the only built-in) unless model.path is set, "
+            f"got {cfg.model.preset!r}"
+        )
     base = dict(
         vocab_size=tokenizer.vocab_size,
         bos_token_id=tokenizer.bos_id,

@@ -11,7 +11,7 @@ Publishing is atomic: files go to a temporary directory that is renamed into pla
 the ``LATEST`` pointer is replaced with ``os.replace``. In an exact-lag experiment the
 trainer also writes ``TARGET``: the version workers must serve (``latest - lag``).
 
-Layout::
+Layout (version directory names come from :func:`satjax.run_dir.version_dir`)::
 
     sync_dir/v00000012/{config.json, model.safetensors, manifest.json}
     sync_dir/LATEST     "12"
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from satjax.run_dir import parse_version_dir, version_dir
 from satjax.utils import atomic_write, fsync_dir
 
 MANIFEST = "manifest.json"
@@ -36,10 +37,6 @@ MANIFEST = "manifest.json"
 
 class WeightSyncError(RuntimeError):
     """A published version is missing, incomplete, or fails its canary check."""
-
-
-def _version_dir(sync_dir: Path, version: int) -> Path:
-    return sync_dir / f"v{version:08d}"
 
 
 class WeightPublisher:
@@ -63,10 +60,10 @@ class WeightPublisher:
         """Publishes ``version``. ``write_checkpoint(dir)`` writes the weights into ``dir``
         (normally ``lambda d: save_pretrained(model, d)``). ``canary`` holds
         ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer at this version."""
-        final = _version_dir(self.sync_dir, version)
+        final = version_dir(self.sync_dir, version)
         if final.exists():
             raise WeightSyncError(f"version {version} was already published at {final}")
-        tmp = Path(tempfile.mkdtemp(prefix=f".v{version:08d}-", dir=self.sync_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=self.sync_dir))
         try:
             write_checkpoint(tmp)
             manifest = {"version": int(version), "published_unix": time.time(),
@@ -90,18 +87,19 @@ class WeightPublisher:
         versions = sorted(published_versions(self.sync_dir))
         for v in versions[: -self.keep]:
             if v != protect:
-                shutil.rmtree(_version_dir(self.sync_dir, v), ignore_errors=True)
+                shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
 
 
 def published_versions(sync_dir: str | os.PathLike[str]) -> list[int]:
     """Complete versions present in ``sync_dir`` (in-progress temp dirs excluded)."""
+    root = Path(sync_dir)
+    if not root.is_dir():
+        return []
     out = []
-    for p in Path(sync_dir).glob("v*"):
-        if p.is_dir() and (p / MANIFEST).exists():
-            try:
-                out.append(int(p.name[1:]))
-            except ValueError:
-                continue
+    for p in root.iterdir():
+        v = parse_version_dir(p.name)
+        if v is not None and p.is_dir() and (p / MANIFEST).exists():
+            out.append(v)
     return sorted(out)
 
 
@@ -128,7 +126,7 @@ class WeightSubscriber:
         return _read_int(self.sync_dir / "LATEST")
 
     def checkpoint_dir(self, version: int) -> Path:
-        path = _version_dir(self.sync_dir, version)
+        path = version_dir(self.sync_dir, version)
         if not (path / MANIFEST).exists():
             raise WeightSyncError(f"version {version} is not published in {self.sync_dir}")
         return path

@@ -1,6 +1,22 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
 import pytest
 
-from satjax.config import ConfigError, dump_config, load_config
+from satjax.config import (
+    ConfigError,
+    MeshConfig,
+    QueueConfig,
+    TrainConfig,
+    dump_config,
+    load_config,
+)
+from satjax.factory import DTYPES
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def test_defaults_and_yaml_roundtrip(tmp_path):
@@ -45,3 +61,64 @@ def test_yaml_unknown_key(tmp_path):
     p.write_text("train:\n  lr: 0.1\n")
     with pytest.raises(ConfigError, match="train.lr"):
         load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("rollout.engine=sglang", "rollout.engine", "'builtin', 'vllm'"),
+        ("task.name=gsm8k", "task.name", "'arithmetic', 'jsonl'"),
+        ("queue.fsync=sometimes", "queue.fsync", "'always', 'batch', 'never'"),
+        ("rollout.sample_dtype=float16", "rollout.sample_dtype", "'float32', 'bfloat16'"),
+        ("model.param_dtype=int8", "model.param_dtype", "'float32', 'bfloat16'"),
+        ("task.ops=['+','/']", r"task.ops[1]", "'+', '-', '*'"),
+        ("rollout.engine=true", "rollout.engine", "'builtin', 'vllm'"),  # YAML bool, not str
+    ],
+)
+def test_literal_choices_name_the_key_and_the_allowed_values(override, key, allowed):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert f"config key {key!r}: must be one of {allowed}, got " in str(e.value)
+
+
+def test_literal_choices_accept_every_allowed_value():
+    cfg = load_config(overrides=["queue.fsync=never", "rollout.engine=vllm",
+                                 "model.param_dtype=bfloat16", "task.ops=['*','-']"])
+    assert (cfg.queue.fsync, cfg.rollout.engine, cfg.model.param_dtype, cfg.task.ops) == (
+        "never", "vllm", "bfloat16", ("*", "-"))
+
+
+def test_mesh_is_the_mesh_config():
+    cfg = load_config(overrides=["train.mesh.data=2", "train.mesh.expert=4"])
+    assert isinstance(cfg.train.mesh, MeshConfig)
+    assert cfg.train.mesh.shape == (2, 1, 4, 1) and cfg.train.mesh.size == 8
+    cfg.train.mesh.validate(8)
+    with pytest.raises(ValueError, match="must equal the device count"):
+        cfg.train.mesh.validate(4)
+    with pytest.raises(ConfigError, match=r"'train\.mesh'.*MeshConfig\.fsdp: must be a positive"):
+        load_config(overrides=["train.mesh.fsdp=0"])
+    with pytest.raises(ValueError, match="MeshConfig.tensor: must be a positive int, got -1"):
+        MeshConfig(tensor=-1)
+
+
+def test_range_errors_say_what_and_got():
+    with pytest.raises(ConfigError, match=r"'rollout\.group_size': must be >= 2 .*, got 1"):
+        load_config(overrides=["rollout.group_size=1"])
+    with pytest.raises(ConfigError, match=r"'train\.exact_lag': must be <= train\.max_lag"):
+        load_config(overrides=["train.max_lag=1", "train.exact_lag=2"])
+    with pytest.raises(ConfigError, match=r"'task\.jsonl_path'"):
+        load_config(overrides=["task.name=jsonl"])
+
+
+def test_config_module_is_jax_free():
+    # the queue server imports the config for its flag defaults; it must stay light
+    code = "import sys, satjax.config; sys.exit('jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, "importing satjax.config imported jax"
+
+
+def test_one_set_of_defaults():
+    # the values the queue server's flags and the library read from the schema
+    assert QueueConfig().fsync == "batch"
+    assert TrainConfig().max_lag == 1
+    assert DTYPES == {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

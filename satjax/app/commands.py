@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from satjax.config import ConfigError, load_config
 
@@ -33,7 +32,8 @@ def train(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cfg = _load(p, args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from satjax.train.trainer import run_train
+    from satjax.app.run import run_train
+    from satjax.run_dir import RunDirs
 
     try:
         last = run_train(cfg, resume=args.resume, progress=not args.no_progress)
@@ -41,7 +41,7 @@ def train(argv: list[str]) -> int:
         p.exit(2, f"{p.prog}: error: {e}\n")
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     print(json.dumps({k: last[k] for k in keys if k in last}))
-    print(f"run directory: {cfg.run_dir} (metrics: {Path(cfg.run_dir) / 'logs/metrics.jsonl'})")
+    print(f"run directory: {cfg.run_dir} (metrics: {RunDirs(cfg.run_dir).metrics})")
     return 0
 
 
@@ -49,13 +49,13 @@ def sft(argv: list[str]) -> int:
     p = _parser("satjax sft", "Supervised warm-up; writes a HF checkpoint to <run_dir>/sft.")
     args = p.parse_args(argv)
     cfg = _load(p, args)
+    from satjax.app.run import warm_start
     from satjax.factory import build_task, build_tokenizer
-    from satjax.train.trainer import RunDirs, warm_start
+    from satjax.run_dir import RunDirs
 
-    dirs = RunDirs(Path(cfg.run_dir))
     tok, task = build_tokenizer(cfg), build_task(cfg)
-    warm_start(cfg, dirs, tok, task, progress=not args.no_progress)
-    print(f"warm-up checkpoint: {dirs.sft}")
+    warm_start(cfg, tok, task, progress=not args.no_progress)
+    print(f"warm-up checkpoint: {RunDirs(cfg.run_dir).sft}")
     return 0
 
 
@@ -70,11 +70,12 @@ def evaluate(argv: list[str]) -> int:
     from satjax.app.evaluate import evaluate as run_eval
     from satjax.factory import build_task, build_tokenizer, sampling_params
     from satjax.model import from_pretrained
+    from satjax.run_dir import RunDirs
     from satjax.weight_sync import WeightSubscriber
 
     path = args.model
     if path is None:
-        sub = WeightSubscriber(Path(cfg.run_dir) / "weights")
+        sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
         latest = sub.latest_version()
         if latest is None:
             p.exit(2, f"{p.prog}: error: no published weights under {cfg.run_dir}; pass --model\n")

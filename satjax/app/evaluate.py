@@ -29,8 +29,10 @@ def evaluate(
     seed: int = 0, batch_prompts: int = 32, dtype=None,
 ) -> EvalResult:
     """Samples ``k`` responses for each of the first ``num_prompts`` test prompts."""
-    if num_prompts < 1 or k < 1:
-        raise ValueError(f"num_prompts and k must be >= 1, got {num_prompts}, {k}")
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts!r}")
+    if k < 1:
+        raise ValueError(f"k: must be >= 1, got {k!r}")
     examples = eval_examples(task, num_examples=num_prompts)
     scores = []
     for start in range(0, len(examples), batch_prompts):

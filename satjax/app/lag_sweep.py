@@ -7,7 +7,7 @@ engine + the same jitted train step as ``satjax train``) so the lag is exact and
 runs are reproducible; ``satjax train --set train.exact_lag=L`` runs the same schedule
 through the real queue and worker processes.
 
-Outputs under ``--out``: ``runs/<name>/metrics.jsonl`` and ``result.json`` per run
+Outputs under ``--out``: ``runs/<name>/logs/metrics.jsonl`` and ``result.json`` per run
 (finished runs are skipped on re-run, so an interrupted sweep loses nothing),
 ``results.csv``, ``results.md`` and PNG plots.
 """
@@ -46,6 +46,13 @@ class RunSpec:
     def name(self) -> str:
         return f"{self.variant}-lag{self.lag}-seed{self.seed}"
 
+    def run_dir(self, out: str | os.PathLike[str]) -> Path:
+        """This run's directory (a :class:`satjax.run_dir.RunDirs` root) in sweep ``out``."""
+        return Path(out) / "runs" / self.name
+
+    def result_path(self, out: str | os.PathLike[str]) -> Path:
+        return self.run_dir(out) / "result.json"
+
 
 def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: str,
             warmup_dir: str, steps: int, eval_every: int,
@@ -58,14 +65,15 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
     from satjax.app.evaluate import evaluate
     from satjax.config import load_config
     from satjax.data.pipeline import prompt_dataset
-    from satjax.factory import sampling_params
+    from satjax.factory import build_model, build_task, build_tokenizer, sampling_params
     from satjax.rollout.builtin_engine import BuiltinEngine
     from satjax.rollout.worker import RolloutWorker, WorkerConfig
+    from satjax.run_dir import RunDirs
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
 
     variant = VARIANTS[spec.variant]
-    run_dir = Path(out) / "runs" / spec.name
+    run_dir = spec.run_dir(out)
     cfg = load_config(base_config, [
         *overrides,
         f"run_dir={run_dir}", f"seed={spec.seed}", f"model.path={warmup_dir}",
@@ -77,8 +85,8 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
           if seq_eps and variant["sequence_level"] else []),
     ])
     t0 = time.time()
-    trainer = Trainer(cfg, resume=False, progress=False)
-    tok, task = trainer.tokenizer, trainer.task
+    tok, task = build_tokenizer(cfg), build_task(cfg)
+    trainer = Trainer(cfg, build_model(cfg, tok), tok)  # model.path: the shared warm-up
     engine = BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tok.pad_id)
     worker = RolloutWorker(
         engine, task, tok, client=None, subscriber=None,
@@ -100,14 +108,13 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
     history: collections.deque = collections.deque(maxlen=spec.lag + 1)
     history.append(snapshot())
     curve = []
-    with MetricsLogger(run_dir / "logs", tensorboard=False) as mlog:
+    with MetricsLogger(RunDirs(run_dir).logs, tensorboard=False) as mlog:
         for step in range(steps):
             graphdef, params = history[0]  # exactly `lag` versions old (or v0 early on)
             behavior_version = trainer.policy_version - (len(history) - 1)
             engine.set_model(nnx.merge(graphdef, params), behavior_version)
             trajectories = worker.generate_groups()
-            metrics = trainer.train_on(trajectories)
-            metrics["lag_mean"] = float(len(history) - 1)
+            metrics = trainer.train_on(trajectories)  # lag_mean: len(history) - 1
             history.append(snapshot())
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 res = evaluate(current_model(), task, tok, num_prompts=cfg.eval.num_prompts,
@@ -121,19 +128,19 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
         "seconds": time.time() - t0,
     }
-    (run_dir / "result.json").write_text(json.dumps(result))
+    spec.result_path(out).write_text(json.dumps(result))
     return result
 
 
 def _warmup(base_config: str | None, overrides: list[str], out: Path) -> str:
+    from satjax.app.run import warm_start
     from satjax.config import load_config
     from satjax.factory import build_task, build_tokenizer
-    from satjax.train.trainer import RunDirs, warm_start
+    from satjax.run_dir import RunDirs
 
     cfg = load_config(base_config, [*overrides, f"run_dir={out / 'warmup'}"])
-    dirs = RunDirs(Path(cfg.run_dir))
-    warm_start(cfg, dirs, build_tokenizer(cfg), build_task(cfg), progress=True)
-    return str(dirs.sft)
+    warm_start(cfg, build_tokenizer(cfg), build_task(cfg), progress=True)
+    return str(RunDirs(cfg.run_dir).sft)
 
 
 def main(argv: list[str]) -> int:
@@ -165,7 +172,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     warmup_dir = _warmup(args.config, args.overrides, out)
     specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
-    todo = [s for s in specs if not (out / "runs" / s.name / "result.json").exists()]
+    todo = [s for s in specs if not s.result_path(out).exists()]
     print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {args.jobs} in parallel")
     from tqdm import tqdm
 
@@ -180,7 +187,7 @@ def main(argv: list[str]) -> int:
             res = fut.result()
             tqdm.write(f"{spec.name}: avg@{res['k']} {res['final_avg_at_k']:.3f} "
                        f"({res['seconds']:.0f}s)")
-    results = [json.loads((out / "runs" / s.name / "result.json").read_text()) for s in specs]
+    results = [json.loads(s.result_path(out).read_text()) for s in specs]
     write_csv_table_plots(results, out, lags)
     print(f"wrote {out / 'results.csv'}, {out / 'results.md'} and plots")
     return 0

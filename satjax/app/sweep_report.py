@@ -10,6 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from satjax.app.lag_sweep import RunSpec
+from satjax.run_dir import RunDirs
+
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     a = np.asarray(xs, np.float64)
@@ -61,8 +64,7 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
     import matplotlib.pyplot as plt
 
     runs = {(r["variant"], r["lag"], r["seed"]): r for r in results}
-    metrics = {key: _read_metrics(out / "runs" / f"{key[0]}-lag{key[1]}-seed{key[2]}" / "logs"
-                                  / "metrics.jsonl") for key in runs}
+    metrics = {key: _read_metrics(RunDirs(RunSpec(*key).run_dir(out)).metrics) for key in runs}
 
     def series(key, name):
         rows = [m for m in metrics[key] if name in m and not isinstance(m[name], str)]

@@ -19,6 +19,7 @@ from satjax.config import load_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_task, build_tokenizer, sampling_params
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
+from satjax.run_dir import RunDirs
 from satjax.weight_sync import WeightSubscriber
 
 
@@ -43,8 +44,8 @@ def main(argv: list[str]) -> int:
     token = os.environ.get("SATJAX_QUEUE_TOKEN")
     if not token:
         p.error("set SATJAX_QUEUE_TOKEN to the queue's bearer token")
-    run_dir = Path(args.run_dir)
-    cfg = load_config(run_dir / "config.yaml")
+    dirs = RunDirs(args.run_dir)
+    cfg = load_config(dirs.config)
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg)
     from satjax.queue.client import QueueClient
@@ -53,9 +54,9 @@ def main(argv: list[str]) -> int:
     client.wait_ready(timeout=60)
     wid = str(args.worker_id)
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
-    subscriber = WeightSubscriber(run_dir / "weights")
+    subscriber = WeightSubscriber(dirs.weights)
     worker = RolloutWorker(
-        build_engine(cfg, tokenizer, run_dir / "logs" / f"vllm-{wid}"), task, tokenizer, client,
+        build_engine(cfg, tokenizer, dirs.vllm_logs(wid)), task, tokenizer, client,
         subscriber,
         iter(prompt_dataset(task, seed=seed)),
         WorkerConfig(

@@ -1,8 +1,8 @@
 """Grain pipelines of prompts.
 
 The pipeline is a ``grain.MapDataset`` over example indices, shuffled with a fixed seed
-and repeated; its iterator state (a small dict) goes into the trainer's Orbax checkpoint
-so that a resumed run sees exactly the prompts it would have seen.
+and repeated. Each rollout worker iterates its own (seeded per worker); the trainer's
+data position is the queue cursor it checkpoints, not a prompt iterator.
 """
 
 from __future__ import annotations

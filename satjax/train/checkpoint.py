@@ -4,8 +4,9 @@ A checkpoint (one directory per step, the last ``keep`` kept) holds two items:
 
 - ``state``: every array of the split ``TrainState`` as a pure nested dict: parameters,
   optimizer state, ``step``, ``policy_version`` and the raw RNG key;
-- ``extra`` (JSON): the data iterator state (a JSON-able dict, or bytes such as a grain
-  iterator state, stored base64) and ``queue_cursor`` (the trajectory-queue position).
+- ``extra`` (JSON): ``queue_cursor``, the trajectory-queue position. That cursor is the
+  trainer's whole data position: the prompt iterators live in the rollout workers, and
+  what they produced but the trainer had not consumed is still on the queue.
 
 Saves are asynchronous where Orbax supports it; ``close()`` (or leaving the ``with``
 block) waits for pending writes. Restoring takes a state template (concrete or from
@@ -15,7 +16,6 @@ on another: each array is read directly into its new sharding.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import os
@@ -26,21 +26,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 log = logging.getLogger(__name__)
-
-_BYTES_KEY = "__bytes_base64__"
-
-
-def _encode_data_state(data_state: Any) -> Any:
-    if isinstance(data_state, bytes | bytearray):
-        return {_BYTES_KEY: base64.b64encode(bytes(data_state)).decode("ascii")}
-    return data_state
-
-
-def _decode_data_state(data_state: Any) -> Any:
-    if isinstance(data_state, dict) and set(data_state) == {_BYTES_KEY}:
-        return base64.b64decode(data_state[_BYTES_KEY])
-    return data_state
-
 
 def _str_keys(tree: Any) -> Any:
     """Nested dict with every key a string (Orbax stores keys as strings)."""
@@ -59,7 +44,6 @@ class Restored:
 
     state: nnx.State
     step: int
-    data_state: Any
     queue_cursor: int
 
 
@@ -82,9 +66,9 @@ class Checkpointer:
         async_save: bool = True,
     ) -> None:
         if save_every < 1:
-            raise ValueError(f"save_every must be >= 1, got {save_every}")
+            raise ValueError(f"save_every: must be >= 1, got {save_every!r}")
         if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+            raise ValueError(f"keep: must be >= 1, got {keep!r}")
         self.save_every = save_every
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
@@ -101,12 +85,10 @@ class Checkpointer:
         step: int,
         state: nnx.State,
         *,
-        data_state: Any = None,
         queue_cursor: int = 0,
     ) -> bool:
         """Saves ``state`` as checkpoint ``step`` now (e.g. at exit); returns whether saved."""
         extra = {
-            "data_state": _encode_data_state(data_state),
             "queue_cursor": int(queue_cursor),
             "step": int(step),
         }
@@ -163,7 +145,6 @@ class Checkpointer:
         return Restored(
             state=state,
             step=int(step),
-            data_state=_decode_data_state(extra.get("data_state")),
             queue_cursor=int(extra.get("queue_cursor", 0)),
         )
 

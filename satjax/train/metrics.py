@@ -1,4 +1,11 @@
-"""Scalar metrics logger: JSON lines + TensorBoard (tensorboardX)."""
+"""Step metrics computed on the host, and the scalar logger (JSON lines + TensorBoard).
+
+Each metric has one owner. The jitted step (``satjax/train/step.py``) computes everything
+it can see in the batch: ``loss``, ``grad_norm``, ``tokens``, ``sequences``, ``reward_mean``,
+``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's and the
+router's metrics. :func:`trajectory_metrics` adds what needs the raw trajectories; the run
+loop (``satjax/app/run.py``) adds the queue's and the wall clock's.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from satjax.run_dir import METRICS_FILE
+from satjax.trajectory import Trajectory
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -19,6 +30,21 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
         arr = np.asarray(value)
         if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
             out[name] = float(arr.reshape(()))
+    return out
+
+
+def trajectory_metrics(
+    trajectories: Sequence[Trajectory], *, trainer_version: int
+) -> dict[str, float]:
+    """``reward_max``, ``response_len_mean`` and ``lag_hist/<lag>`` (how many trajectories
+    were generated ``lag`` versions behind ``trainer_version``, the version trained on them)."""
+    rewards = np.array([t.reward for t in trajectories], np.float32)
+    out = {
+        "reward_max": float(rewards.max()),
+        "response_len_mean": float(np.mean([len(t.response_tokens) for t in trajectories])),
+    }
+    hist = Counter(trainer_version - t.policy_version for t in trajectories)
+    out.update({f"lag_hist/{k}": float(v) for k, v in sorted(hist.items())})
     return out
 
 
@@ -34,7 +60,7 @@ class MetricsLogger:
     def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True) -> None:
         self.logdir = os.fspath(logdir)
         os.makedirs(self.logdir, exist_ok=True)
-        self.jsonl_path = os.path.join(self.logdir, "metrics.jsonl")
+        self.jsonl_path = os.path.join(self.logdir, METRICS_FILE)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         self._tb = None
         if tensorboard:

@@ -1,4 +1,4 @@
-"""make_batch (alignment, bucketing, padding, routes) and the metrics logger."""
+"""make_batch (alignment, bucketing, padding, routes), host-side metrics and the logger."""
 
 import json
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from satjax.train.batch import make_batch, pick_bucket
-from satjax.train.metrics import MetricsLogger
+from satjax.train.metrics import MetricsLogger, trajectory_metrics
 from satjax.trajectory import Trajectory
 
 L, K = 2, 2
@@ -91,3 +91,13 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
     assert [x["step"] for x in lines] == [1, 2]
     assert lines[0]["loss"] == 0.5 and lines[0]["bad"] == "nan" and lines[1]["loss"] == 0.25
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+def test_trajectory_metrics_are_the_host_side_extras():
+    ts = [traj("a", "g", 2, 3, reward=0.0, version=5), traj("b", "g", 2, 1, reward=1.0, version=4),
+          traj("c", "g", 2, 2, reward=0.5, version=4)]
+    m = trajectory_metrics(ts, trainer_version=6)
+    assert m == {"reward_max": 1.0, "response_len_mean": 2.0, "lag_hist/1": 1.0,
+                 "lag_hist/2": 2.0}
+    # the jitted step owns reward_mean and lag_mean/lag_max; they are not recomputed here
+    assert not {"reward_mean", "lag_mean", "lag_max"} & set(m)

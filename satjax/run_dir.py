@@ -1,0 +1,85 @@
+"""The layout of a run directory: every path the trainer, workers and tools share.
+
+    <run_dir>/config.yaml           the resolved config (workers read it)
+    <run_dir>/checkpoints/<step>/   Orbax checkpoints of the train state
+    <run_dir>/weights/vNNNNNNNN/    published policy versions (see satjax/weight_sync.py)
+    <run_dir>/queue/                the local queue server's data directory
+    <run_dir>/sft/                  the cached SFT warm-up (a Hugging Face checkpoint)
+    <run_dir>/logs/metrics.jsonl    one JSON object per step (plus TensorBoard events)
+    <run_dir>/logs/<process>.log    output of each child process (queue, worker0, ...)
+    <run_dir>/logs/vllm-<worker>/   a vLLM worker's server logs
+
+Only this module spells these names; everything else asks it for paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+_VERSION_PREFIX = "v"
+
+
+def version_dir(weights_dir: str | os.PathLike[str], version: int) -> Path:
+    """Where policy ``version`` is published under ``weights_dir``: ``vNNNNNNNN``."""
+    return Path(weights_dir) / f"{_VERSION_PREFIX}{version:08d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    """The version a ``version_dir`` name holds, or None for any other name."""
+    digits = name[len(_VERSION_PREFIX):]
+    if not name.startswith(_VERSION_PREFIX) or not digits.isdigit():
+        return None
+    return int(digits)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirs:
+    """Paths inside one run directory ``root`` (nothing is created here)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def queue(self) -> Path:
+        return self.root / "queue"
+
+    @property
+    def sft(self) -> Path:
+        return self.root / "sft"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.logs / METRICS_FILE
+
+    def process_log(self, name: str) -> Path:
+        """The log file of child process ``name`` (``queue``, ``worker0``, ...)."""
+        return self.logs / f"{name}.log"
+
+    def vllm_logs(self, worker_id: str) -> Path:
+        """The directory where worker ``worker_id``'s vLLM server writes its logs."""
+        return self.logs / f"vllm-{worker_id}"
+
+    def version(self, version: int) -> Path:
+        """Published policy ``version``: ``weights/vNNNNNNNN``."""
+        return version_dir(self.weights, version)
