@@ -280,6 +280,32 @@ def _check_values(cfg: Config) -> None:
          "a non-empty list of positive lengths")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
+    _check_objective(cfg.objective)
+
+
+def _check_objective(obj: ObjectiveConfig) -> None:
+    """Objective name and hyperparameters, checked by the objectives' own typed dataclasses
+    (the one place their defaults and ranges are written)."""
+    from satjax import objectives  # imports jax: only when a run is configured, not at import
+
+    if obj.name not in objectives.NAMES:
+        raise ConfigError(f"config key 'objective.name': must be one of "
+                          f"{', '.join(objectives.NAMES)}, got {obj.name!r}")
+    cls = type(objectives.hparams(obj.name))
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for key in obj.hparams:
+        if key not in allowed:
+            raise ConfigError(f"config key 'objective.hparams.{key}': must be a hyperparameter "
+                              f"of {obj.name} ({', '.join(allowed)}), got unknown {key!r}")
+    hints = typing.get_type_hints(cls)
+    obj.hparams = {k: _coerce(v, hints[k], f"objective.hparams.{k}")
+                   for k, v in obj.hparams.items()}
+    try:
+        cls(**obj.hparams)
+    except ValueError as e:  # the dataclass names the field: "{field}: must be ..., got ..."
+        field, _, what = str(e).partition(": ")
+        key = f"objective.hparams.{field}" if field in allowed else "objective.hparams"
+        raise ConfigError(f"config key {key!r}: {what or e}") from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -122,3 +122,27 @@ def test_one_set_of_defaults():
     assert QueueConfig().fsync == "batch"
     assert TrainConfig().max_lag == 1
     assert DTYPES == {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("objective.name=sat_gpso", "config key 'objective.name': must be one of sat_gspo,"),
+        ("objective.hparams.lamda=0.5",
+         "config key 'objective.hparams.lamda': must be a hyperparameter of sat_gspo"),
+        ("objective.hparams.lam=-1", "config key 'objective.hparams.lam': must be >= 0"),
+        ("objective.hparams.kernel=box", "config key 'objective.hparams.kernel': must be one of"),
+    ],
+)
+def test_objective_name_and_hyperparameters_are_checked_at_load(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(Path(REPO) / "configs/tiny.yaml", [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_objective_hyperparameters_of_another_objective_are_refused():
+    # sat_gspo's `lam` is not a GSPO hyperparameter: switching the objective must not keep it.
+    with pytest.raises(ConfigError, match="objective.hparams.lam"):
+        load_config(None, ["objective.name=gspo", "objective.hparams.lam=0.5"])
+    cfg = load_config(None, ["objective.name=gspo", "objective.hparams.eps_high=1e-3"])
+    assert cfg.objective.hparams == {"eps_high": 1e-3}
