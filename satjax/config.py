@@ -75,6 +75,39 @@ class MeshConfigYaml:
     tensor: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; their product must equal the device count."""
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MeshConfig.{f.name} must be a positive int, got {value!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.expert, self.tensor)
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.expert * self.tensor
+
+    def validate(self, num_devices: int) -> None:
+        """Raises ValueError unless data*fsdp*expert*tensor == num_devices."""
+        if self.size != num_devices:
+            raise ValueError(
+                f"MeshConfig {dataclasses.asdict(self)} has "
+                f"data*fsdp*expert*tensor = {self.size} but there are {num_devices} devices; "
+                "the product of the mesh axes must equal the device count"
+            )
+
+
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 60

@@ -8,11 +8,9 @@ from flax import nnx
 
 from satjax.config import Config
 from satjax.data.tasks import ArithmeticTask, JsonlMathTask, load_jsonl_examples
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
-from satjax.model.sampling import SamplingParams
+from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from satjax.rollout.engine import SamplingParams
 
 
 def build_task(cfg: Config):

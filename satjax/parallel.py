@@ -8,15 +8,14 @@ The mesh has four named axes (``MESH_AXES``):
   dimension, the batch sharded over it too so no device idles;
 - ``tensor`` tensor parallelism over heads / MLP / vocabulary.
 
-Model parameters carry *logical* axis names in their Flax NNX ``out_sharding`` metadata
-(see INTERFACES.md). ``LOGICAL_RULES`` maps each logical name to mesh axes. A dimension
+Model parameters carry *logical* axis names in their Flax NNX ``out_sharding`` metadata.
+``LOGICAL_RULES`` maps each logical name to mesh axes. A dimension
 whose size is not divisible by the mesh axes it maps to drops axes from the end of its
 rule until it is (down to full replication), so odd shapes never crash sharding.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -28,7 +27,21 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from satjax.config import MeshConfig  # re-exported: the mesh schema lives with the config
+
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "MeshConfig",
+    "batch_sharding",
+    "data_parallel_size",
+    "init_distributed",
+    "logical_to_spec",
+    "make_mesh",
+    "state_shardings",
+]
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 
@@ -47,39 +60,6 @@ LOGICAL_RULES: LogicalRules = (
     ("experts", ("expert",)),
     ("expert_mlp", ("tensor",)),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Sizes of the four mesh axes; their product must equal the device count."""
-
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
-
-    def __post_init__(self) -> None:
-        for name in MESH_AXES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeshConfig.{name} must be a positive int, got {value!r}")
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.data, self.fsdp, self.expert, self.tensor)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    def validate(self, num_devices: int) -> None:
-        """Raises ValueError unless data*fsdp*expert*tensor == num_devices."""
-        if self.size != num_devices:
-            raise ValueError(
-                f"MeshConfig {dict(zip(MESH_AXES, self.shape, strict=True))} has "
-                f"data*fsdp*expert*tensor = {self.size} but there are {num_devices} devices; "
-                "the product of the mesh axes must equal the device count"
-            )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -177,54 +157,26 @@ def state_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-param_shardings = state_shardings  # INTERFACES.md name; works on a model or any NNX state
-
-
-def optimizer_shardings(optimizer: nnx.Optimizer, mesh: Mesh) -> Any:
-    """Shardings of an ``nnx.Optimizer``'s state: moments follow their parameters."""
-    return state_shardings(nnx.state(optimizer), mesh)
-
-
-# logical names of each Batch field (leading dim is always the batch)
-BATCH_FIELD_NAMES: dict[str, tuple[str | None, ...]] = {
-    "tokens": ("batch", "length"),
-    "attention_mask": ("batch", "length"),
-    "loss_mask": ("batch", "length"),
-    "behavior_logprobs": ("batch", "length"),
-    "rewards": ("batch",),
-    "advantages": ("batch",),
-    "group_ids": ("batch",),
-    "policy_versions": ("batch",),
-    "routes": ("batch", "length", None, None),
-}
-
-
 def batch_sharding(mesh: Mesh, batch: Any, rules: LogicalRules = LOGICAL_RULES) -> Any:
     """NamedShardings for a batch pytree: leading dim over the batch axes, rest replicated.
 
-    ``batch`` may be a ``satjax.train.Batch`` (fields named in ``BATCH_FIELD_NAMES``), a
-    dict, or any pytree of arrays; an array whose batch size does not divide the batch
+    ``batch`` may be a ``satjax.train.Batch``, a dict, or any pytree of arrays; an array whose batch size does not divide the batch
     axes falls back to fewer axes / replication.
     """
 
-    def one(path: tuple[Any, ...], x: Any) -> NamedSharding:
+    def one(x: Any) -> NamedSharding:
         shape = np.shape(x)
         if not shape:
             return NamedSharding(mesh, PartitionSpec())
         names = ("batch",) + (None,) * (len(shape) - 1)
         return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
 
-    return jax.tree_util.tree_map_with_path(one, batch)
+    return jax.tree.map(one, batch)
 
 
 def data_parallel_size(mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) -> int:
     """How many ways the batch dimension is split (B should be a multiple of this)."""
     return math.prod(mesh.shape[a] for a in _rule_table(rules)["batch"])
-
-
-def shard_like(tree: Any, shardings: Any) -> Any:
-    """``jax.device_put`` of a tree onto a matching tree of shardings."""
-    return jax.device_put(tree, shardings)
 
 
 def init_distributed(

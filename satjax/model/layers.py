@@ -1,7 +1,7 @@
 """Dense building blocks of the Qwen3-MoE decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
 
-Parameters are stored in the JAX ``x @ W`` layout and carry logical axis names (see
-INTERFACES.md) in their ``out_sharding`` metadata; ``eager_sharding=False`` so a model can
+Parameters are stored in the JAX ``x @ W`` layout and carry logical axis names (mapped to
+mesh axes by ``satjax.parallel.LOGICAL_RULES``) in their ``out_sharding`` metadata; ``eager_sharding=False`` so a model can
 be built without a mesh and sharded later by ``satjax.parallel``.
 """
 

@@ -10,7 +10,7 @@ from flax import nnx
 
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.layers import Attention, DenseMLP, RMSNorm, make_param, rope_cos_sin
-from satjax.model.moe import SparseMoeBlock
+from satjax.model.moe import RouteRecord, SparseMoeBlock
 
 Array = jax.Array
 KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, S, Hkv, Dh]
@@ -19,15 +19,20 @@ KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
-    """logits f32 [B, T, V]; router_logits f32 [B, T, L, E]; selected_experts i32 [B, T, L, k].
+    """The forward's outputs; L = number of MoE layers.
 
-    ``selected_experts`` is always the router's own top-k (descending prob), also under
-    replay, so engine-vs-trainer routing mismatch can be measured with replay on.
+    logits        f32 [B, T, V]
+    router_logits f32 [B, T, L, E]
+    router_topk   i32 [B, T, L, k]  the router's own top-k (descending prob), also under
+                                    replay, so engine-vs-trainer mismatch stays measurable
+    experts_used  i32 [B, T, L, k]  what ran: the replayed ``routed_experts`` under R3,
+                                    else equal to ``router_topk``
     """
 
     logits: Array
     router_logits: Array
-    selected_experts: Array
+    router_topk: Array
+    experts_used: Array
 
 
 def _explicit_mesh_axes() -> bool:
@@ -54,6 +59,24 @@ class DecoderLayer(nnx.Module):
         norm = dict(dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+
+    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
+                 cache: tuple[Array, Array] | None = None, cache_index: Array | int = 0,
+                 routed_experts: Array | None = None
+                 ) -> tuple[Array, tuple[Array, Array] | None, RouteRecord | None]:
+        """x [B, T, D] -> (x, updated cache, RouteRecord of a MoE layer else None).
+
+        routed_experts i32 [B, T, k] replays these experts (MoE layers only).
+        """
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        routes = None
+        if self.is_moe:
+            h, routes = self.mlp(h, routed_experts)
+        else:
+            h = self.mlp(h)
+        return x + h, cache, routes
 
 
 class Qwen3MoeForCausalLM(nnx.Module):
@@ -87,12 +110,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------------------------
     def __call__(self, input_ids: Array, *, attention_mask: Array | None = None,
-                 positions: Array | None = None, routing: Array | None = None) -> ModelOutput:
+                 positions: Array | None = None, routed_experts: Array | None = None
+                 ) -> ModelOutput:
         """Full-sequence forward.
 
         input_ids int32 [B, T]; attention_mask [B, T] (1 = real token; padding anywhere is
         excluded as a key); positions int32 [B, T] (default cumsum(mask) - 1, clipped at 0);
-        routing int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
+        routed_experts int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -110,19 +134,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         elif tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
         if _explicit_mesh_axes():
-            return self._call_auto_axes(input_ids, valid, positions, routing)
-        return self._full_forward(input_ids, valid, positions, routing)
+            return self._call_auto_axes(input_ids, valid, positions, routed_experts)
+        return self._full_forward(input_ids, valid, positions, routed_experts)
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
-                      routing: Array | None) -> ModelOutput:
+                      routed_experts: Array | None) -> ModelOutput:
         t = input_ids.shape[1]
         slots = jnp.arange(t)
         mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
-        out, _ = self._run(input_ids, positions, mask, routing, None, 0)
+        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
-                        routing: Array | None) -> ModelOutput:
+                        routed_experts: Array | None) -> ModelOutput:
         """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
 
         Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
@@ -132,17 +156,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         spec = spec + (None,) * (2 - len(spec))
         graphdef, state = nnx.split(self)
 
-        def body(state, input_ids, valid, positions, routing):
-            return nnx.merge(graphdef, state)._full_forward(input_ids, valid, positions, routing)
+        def body(state, input_ids, valid, positions, routed_experts):
+            model = nnx.merge(graphdef, state)
+            return model._full_forward(input_ids, valid, positions, routed_experts)
 
         P = jax.sharding.PartitionSpec
-        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None))
+        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None),
+                                   P(*spec, None, None))
         return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
-            state, input_ids, valid, positions, routing)
+            state, input_ids, valid, positions, routed_experts)
 
     def forward_with_cache(self, input_ids: Array, positions: Array, kv_valid: Array,
                            cache: KVCache, cache_index: Array | int,
-                           routing: Array | None = None) -> tuple[ModelOutput, KVCache]:
+                           routed_experts: Array | None = None) -> tuple[ModelOutput, KVCache]:
         """Incremental forward writing T new tokens at cache slots cache_index..+T-1.
 
         kv_valid bool [B, S]: which cache slots hold real tokens (including the new ones).
@@ -152,7 +178,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         s = cache[0][0].shape[1]
         q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
         mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
-        return self._run(input_ids, positions, mask, routing, cache, cache_index)
+        return self._run(input_ids, positions, mask, routed_experts, cache, cache_index)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
@@ -163,45 +189,42 @@ class Qwen3MoeForCausalLM(nnx.Module):
                      for _ in range(cfg.num_hidden_layers))
 
     # ------------------------------------------------------------------------------------
-    def _run(self, input_ids: Array, positions: Array, mask: Array, routing: Array | None,
+    def _run(self, input_ids: Array, positions: Array, mask: Array,
+             routed_experts: Array | None,
              cache: KVCache | None, cache_index: Array | int
              ) -> tuple[ModelOutput, KVCache | None]:
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
-        if routing is not None:
-            routing = jnp.asarray(routing)
-            if tuple(routing.shape) != (b, t, n_moe, k):
+        if routed_experts is not None:
+            routed_experts = jnp.asarray(routed_experts)
+            if tuple(routed_experts.shape) != (b, t, n_moe, k):
                 raise ValueError(
-                    f"routing must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
-                    f"got {routing.shape}")
+                    f"routed_experts must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
+                    f"got {routed_experts.shape}")
         x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
-        router_logits, selected, new_cache = [], [], []
+        routes, new_cache = [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache[i]
-            h, layer_cache = layer.self_attn(layer.input_layernorm(x), cos, sin, mask,
-                                             layer_cache, cache_index)
+            replay = None
+            if routed_experts is not None and layer.is_moe:
+                replay = routed_experts[:, :, len(routes)]
+            x, layer_cache, rec = layer(x, cos, sin, mask, None if cache is None else cache[i],
+                                        cache_index, replay)
             new_cache.append(layer_cache)
-            x = x + h
-            h = layer.post_attention_layernorm(x)
-            if layer.is_moe:
-                replay = None if routing is None else routing[:, :, len(selected)]
-                h, logits, top = layer.mlp(h, replay)
-                router_logits.append(logits)
-                selected.append(top)
-            else:
-                h = layer.mlp(h)
-            x = x + h
+            if rec is not None:
+                routes.append(rec)
         x = self.norm(x)
         if cfg.tie_word_embeddings:
             logits = x @ self.embed_tokens[...].astype(self.dtype).T
         else:
             logits = x @ self.lm_head[...].astype(self.dtype)
-        if selected:
-            rl, se = jnp.stack(router_logits, axis=2), jnp.stack(selected, axis=2)
+        if routes:
+            stacked = [jnp.stack(field, axis=2) for field in
+                       ([r.router_logits for r in routes], [r.router_topk for r in routes],
+                        [r.experts_used for r in routes])]
         else:
-            rl = jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32)
-            se = jnp.zeros((b, t, 0, k), jnp.int32)
-        out = ModelOutput(logits.astype(jnp.float32), rl, se)
+            none = jnp.zeros((b, t, 0, k), jnp.int32)
+            stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none]
+        out = ModelOutput(logits.astype(jnp.float32), *stacked)
         return out, (None if cache is None else tuple(new_cache))

@@ -35,8 +35,7 @@ from satjax.app.launch import ProcessGroup, new_token
 from satjax.config import Config, dump_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_model, build_task, build_tokenizer
-from satjax.model import from_pretrained, save_pretrained
-from satjax.rollout.builtin_engine import canary_logprobs
+from satjax.model import canary_logprobs, from_pretrained, save_pretrained
 from satjax.train.batch import make_batch
 from satjax.train.checkpoint import Checkpointer
 from satjax.train.metrics import MetricsLogger
@@ -142,12 +141,12 @@ class Trainer:
         self.mesh = parallel.make_mesh(mesh_cfg, devices[: mesh_cfg.size])
         schedule = optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps)) \
             if t.warmup_steps > 0 else optax.constant_schedule(t.learning_rate)
-        tx = make_optimizer(schedule, weight_decay=t.weight_decay)
-        self.graphdef, state = nnx.split(TrainState(model, tx, seed=cfg.seed))
+        tx = make_optimizer(schedule, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
+        self.graphdef, state = nnx.split(TrainState(model, tx))
         self.step_fn = make_train_step(
             self.graphdef, state, mesh=self.mesh, objective=cfg.objective.name,
             objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
-            max_grad_norm=t.max_grad_norm, temperature=max(cfg.rollout.temperature, 1e-6),
+            temperature=max(cfg.rollout.temperature, 1e-6),
             lr_schedule=schedule,
         )
         self.state = self.step_fn.place_state(state)

@@ -9,7 +9,7 @@ from flax import nnx
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.tasks import ArithmeticTask
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.sampling import SamplingParams
+from satjax.rollout.engine import SamplingParams
 from satjax.model.tokenizer import CharTokenizer
 from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
