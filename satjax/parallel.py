@@ -160,8 +160,8 @@ def state_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) 
 def batch_sharding(mesh: Mesh, batch: Any, rules: LogicalRules = LOGICAL_RULES) -> Any:
     """NamedShardings for a batch pytree: leading dim over the batch axes, rest replicated.
 
-    ``batch`` may be a ``satjax.train.Batch``, a dict, or any pytree of arrays; an array whose batch size does not divide the batch
-    axes falls back to fewer axes / replication.
+    ``batch`` may be a ``satjax.train.Batch``, a dict, or any pytree of arrays; an array
+    whose batch size does not divide the batch axes falls back to fewer axes / replication.
     """
 
     def one(x: Any) -> NamedSharding:

@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
     subscriber = WeightSubscriber(run_dir / "weights")
     worker = RolloutWorker(
-        make_engine(cfg.rollout, tokenizer, run_dir / "logs" / f"vllm-{wid}", seed=cfg.seed), task, tokenizer, client,
+        make_engine(cfg.rollout, tokenizer, run_dir / "logs" / f"vllm-{wid}", seed=cfg.seed),
+        task, tokenizer, client,
         subscriber,
         iter(prompt_dataset(task, seed=seed)),
         WorkerConfig(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -18,9 +18,9 @@ from flax import nnx
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.tasks import ArithmeticTask
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.rollout.engine import SamplingParams
 from satjax.model.tokenizer import CharTokenizer
 from satjax.rollout.builtin_engine import canary_logprobs
+from satjax.rollout.engine import SamplingParams
 from satjax.weight_sync import (
     WeightPublisher,
     WeightSubscriber,

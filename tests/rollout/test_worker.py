@@ -9,11 +9,11 @@ from flax import nnx
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.tasks import ArithmeticTask
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.rollout.engine import SamplingParams
 from satjax.model.tokenizer import CharTokenizer
 from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
 from satjax.rollout.builtin_engine import BuiltinEngine, canary_logprobs
+from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
 
@@ -103,8 +103,9 @@ def test_canary_catches_wrong_weights(tmp_path, queue):
 def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
     replay the trainer applies exactly the engine's experts (flip rate 0)."""
-    from satjax.train.batch import make_batch
     from satjax.train.logprobs import token_logprobs
+
+    from satjax.train.batch import make_batch
 
     tok = CharTokenizer()
     task = ArithmeticTask()

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from train_fixtures import make_state, synthetic_batch, tiny_model
 
 from satjax import parallel
 from satjax.parallel import MeshConfig, logical_to_spec, make_mesh
@@ -63,11 +62,11 @@ def test_unknown_logical_name_raises():
         logical_to_spec(("heads",), (8,), mesh)
 
 
-def test_model_params_sharded_as_rules_say():
+def test_model_params_sharded_as_rules_say(tiny_model):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
     model = tiny_model()
     state = nnx.state(model)
-    placed = jax.device_put(state, parallel.param_shardings(state, mesh))
+    placed = jax.device_put(state, parallel.state_shardings(state, mesh))
     flat = dict(nnx.to_flat_state(placed))
     expert_like = [
         (path, v)
@@ -86,10 +85,10 @@ def test_model_params_sharded_as_rules_say():
             assert v.get_value().sharding.is_fully_replicated
 
 
-def test_optimizer_state_follows_params():
+def test_optimizer_state_follows_params(make_state):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
     ts = make_state()
-    sh = parallel.optimizer_shardings(ts.optimizer, mesh)
+    sh = parallel.state_shardings(nnx.state(ts.optimizer), mesh)
     specs = [
         v.get_value().spec
         for _, v in nnx.to_flat_state(sh)
@@ -98,12 +97,12 @@ def test_optimizer_state_follows_params():
     assert specs and all(s[0] == "expert" for s in specs)
 
 
-def test_batch_sharding_with_fallback():
+def test_batch_sharding_with_fallback(synthetic_batch):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
-    batch = synthetic_batch(0, B=8, routes=True)
+    batch = synthetic_batch(0, B=8, routed=True)
     sh = parallel.batch_sharding(mesh, batch)
     assert sh.tokens.spec == P(("data", "expert"))
-    assert sh.routes.spec == P(("data", "expert"))
+    assert sh.routed_experts.spec == P(("data", "expert"))
     odd = synthetic_batch(0, B=6, group_size=2)
     sh_odd = parallel.batch_sharding(mesh, odd)
     assert sh_odd.tokens.spec == P("data")  # 6 % 8 != 0, 6 % 2 == 0
