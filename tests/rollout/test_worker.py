@@ -8,11 +8,18 @@ from flax import nnx
 
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.tasks import ArithmeticTask
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
+from satjax.model import (
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    canary_logprobs,
+    save_pretrained,
+    token_logprobs,
+)
+from satjax.model.logprobs import router_mismatch
 from satjax.model.tokenizer import CharTokenizer
 from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
-from satjax.rollout.builtin_engine import BuiltinEngine, canary_logprobs
+from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
@@ -103,8 +110,6 @@ def test_canary_catches_wrong_weights(tmp_path, queue):
 def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
     replay the trainer applies exactly the engine's experts (flip rate 0)."""
-    from satjax.train.logprobs import token_logprobs
-
     from satjax.train.batch import make_batch
 
     tok = CharTokenizer()
@@ -124,7 +129,10 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     batch = jax.tree.map(jnp.asarray, batch)
     metrics = {}
     for replay in (False, True):
-        lp, aux = token_logprobs(model, batch, replay=replay)
+        lp, out = token_logprobs(model, batch.tokens, batch.attention_mask,
+                                 routed_experts=batch.routed_experts if replay else None)
+        aux = router_mismatch(out.router_topk, out.experts_used, batch.routed_experts,
+                              batch.route_mask())
         log_ratio = (batch.behavior_logprobs - lp) * batch.loss_mask
         kl_k3 = float(jnp.sum((jnp.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask)
                       / jnp.sum(batch.loss_mask))
