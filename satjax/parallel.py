@@ -36,6 +36,7 @@ __all__ = [
     "MESH_AXES",
     "MeshConfig",
     "batch_sharding",
+    "constrain",
     "data_parallel_size",
     "init_distributed",
     "logical_to_spec",
@@ -94,8 +95,8 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """PartitionSpec for an array of ``shape`` whose dims have logical ``names``.
 
-    Per dim: take the rule's mesh axes, skip size-1 axes and axes already used by an
-    earlier dim, then drop axes from the end until the dim size is divisible by their
+    Per dim: take the rule's mesh axes, skip size-1 axes, axes the mesh lacks and axes
+    already used by an earlier dim, then drop axes from the end until the dim size is divisible by their
     product (replicating the dim if none fit). Unknown logical names raise ValueError.
     """
     if not names:
@@ -111,7 +112,7 @@ def logical_to_spec(
             continue
         if name not in table:
             raise ValueError(f"unknown logical axis name {name!r}; known: {sorted(table)}")
-        wanted = [a for a in table[name] if mesh.shape[a] > 1 and a not in used]
+        wanted = [a for a in table[name] if mesh.shape.get(a, 1) > 1 and a not in used]
         axes = list(wanted)
         while axes and size % math.prod(mesh.shape[a] for a in axes) != 0:
             axes.pop()
@@ -122,6 +123,20 @@ def logical_to_spec(
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None],
+              rules: LogicalRules = LOGICAL_RULES) -> jax.Array:
+    """``with_sharding_constraint`` of an activation by logical names under the current mesh
+    (``jax.set_mesh``); the identity without one, so model code runs unsharded unchanged.
+
+    Pinning activations at layer boundaries keeps GSPMD from propagating a parameter's
+    layout into the batch (which forces full rematerialisations of whole activations).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))
 
 
 def _logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:

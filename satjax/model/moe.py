@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from satjax.model.layers import make_param
+from satjax.parallel import constrain
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "blocked", "ragged", "dense_einsum")
@@ -182,15 +183,20 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: Array, routed_experts: Array | None = None
                  ) -> tuple[Array, RouteRecord]:
         b, t, d = x.shape
-        flat = x.reshape(b * t, d)
+        flat = constrain(x.reshape(b * t, d), ("batch", None))
         logits = (flat @ self.gate[...].astype(self.dtype)).astype(jnp.float32)
         flat_replay = (None if routed_experts is None
                        else routed_experts.reshape(b * t, self.top_k))
         rec = route(logits, self.top_k, self.norm_topk_prob, flat_replay)
         weights = rec.weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
-        ws = [p[...].astype(self.dtype) for p in
+        # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
+        # sharded weights without a full rematerialisation: all-gather them explicitly
+        # (dense_einsum keeps them sharded over experts).
+        keep = ("experts", None, None) if self.moe_impl == "dense_einsum" else (None,) * 3
+        ws = [constrain(p[...].astype(self.dtype), keep) for p in
               (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
-        out = _IMPLS[self.moe_impl](flat, rec.experts_used, weights, *ws)
+        out = constrain(_IMPLS[self.moe_impl](flat, rec.experts_used, weights, *ws),
+                        ("batch", None))
         rec = RouteRecord(router_logits=logits, router_topk=rec.router_topk,
                           experts_used=rec.experts_used, weights=weights)
         return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

@@ -11,8 +11,11 @@ from flax import nnx
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.layers import Attention, DenseMLP, RMSNorm, make_param, rope_cos_sin
 from satjax.model.moe import RouteRecord, SparseMoeBlock
+from satjax.parallel import constrain
 
 Array = jax.Array
+# logical axes of the residual stream [B, T, D] at layer boundaries: batch-sharded only
+ACTIVATION = ("batch", "length", None)
 KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, S, Hkv, Dh]
 
 
@@ -202,7 +205,10 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 raise ValueError(
                     f"routed_experts must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
                     f"got {routed_experts.shape}")
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        # the lookup gathers whole rows: keep the table sharded over vocab only (GSPMD masks
+        # and all-reduces), an embed-sharded table would need a full rematerialisation
+        table = constrain(self.embed_tokens[...], ("vocab", None))
+        x = constrain(jnp.take(table, input_ids, axis=0).astype(self.dtype), ACTIVATION)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         routes, new_cache = [], []
         for i, layer in enumerate(self.layers):
@@ -211,6 +217,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                 replay = routed_experts[:, :, len(routes)]
             x, layer_cache, rec = layer(x, cos, sin, mask, None if cache is None else cache[i],
                                         cache_index, replay)
+            x = constrain(x, ACTIVATION)
             new_cache.append(layer_cache)
             if rec is not None:
                 routes.append(rec)
