@@ -96,8 +96,8 @@ def logical_to_spec(
     """PartitionSpec for an array of ``shape`` whose dims have logical ``names``.
 
     Per dim: take the rule's mesh axes, skip size-1 axes, axes the mesh lacks and axes
-    already used by an earlier dim, then drop axes from the end until the dim size is divisible by their
-    product (replicating the dim if none fit). Unknown logical names raise ValueError.
+    already used by an earlier dim, then drop axes from the end until the dim size is
+    divisible by their product (replicating the dim if none fit). Unknown logical names raise ValueError.
     """
     if not names:
         return PartitionSpec()
