@@ -97,7 +97,8 @@ def logical_to_spec(
 
     Per dim: take the rule's mesh axes, skip size-1 axes, axes the mesh lacks and axes
     already used by an earlier dim, then drop axes from the end until the dim size is
-    divisible by their product (replicating the dim if none fit). Unknown logical names raise ValueError.
+    divisible by their product (replicating the dim if none fit). Unknown logical names
+    raise ValueError.
     """
     if not names:
         return PartitionSpec()
