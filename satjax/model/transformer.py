@@ -91,11 +91,17 @@ class Qwen3MoeForCausalLM(nnx.Module):
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
       param_dtype: storage dtype of the parameters.
       moe_impl: "auto" | "blocked" | "ragged" | "dense_einsum" dropless dispatch (moe.py).
+      scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
+        layers (their parameters stacked per call) when all layers are alike (all MoE or all
+        dense), so compile time stops growing with depth. Parameters stay per layer, so HF
+        I/O and sharding rules are unchanged; the KV-cache path always unrolls.
     """
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
-                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto"):
+                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto",
+                 scan_layers: bool = False):
         self.config = cfg
+        self.scan_layers = scan_layers
         self.dtype = dtype
         std = cfg.initializer_range
         self.embed_tokens = make_param(rngs, (cfg.vocab_size, cfg.hidden_size),
@@ -210,6 +216,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
         table = constrain(self.embed_tokens[...], ("vocab", None))
         x = constrain(jnp.take(table, input_ids, axis=0).astype(self.dtype), ACTIVATION)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
+        if cache is None and self.scan_layers and len({m.is_moe for m in self.layers}) == 1:
+            x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts)
+            return self._head(x, stacked, b, t, k), None
         routes, new_cache = [], []
         for i, layer in enumerate(self.layers):
             replay = None
@@ -221,17 +230,41 @@ class Qwen3MoeForCausalLM(nnx.Module):
             new_cache.append(layer_cache)
             if rec is not None:
                 routes.append(rec)
-        x = self.norm(x)
-        if cfg.tie_word_embeddings:
-            logits = x @ self.embed_tokens[...].astype(self.dtype).T
-        else:
-            logits = x @ self.lm_head[...].astype(self.dtype)
         if routes:
             stacked = [jnp.stack(field, axis=2) for field in
                        ([r.router_logits for r in routes], [r.router_topk for r in routes],
                         [r.experts_used for r in routes])]
         else:
+            stacked = None
+        return self._head(x, stacked, b, t, k), (None if cache is None else tuple(new_cache))
+
+    def _scan_layers(self, x: Array, cos: Array, sin: Array, mask: Array,
+                     routed_experts: Array | None) -> tuple[Array, list[Array] | None]:
+        """All (alike) layers as one scan; returns x and the stacked [B, T, L, ...] routes."""
+        graphdef = nnx.graphdef(self.layers[0])
+        params = jax.tree.map(lambda *ws: jnp.stack(ws),
+                              *[nnx.state(layer) for layer in self.layers])
+        replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)
+
+        def body(x, xs):
+            state, layer_replay = xs
+            x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, layer_replay)
+            ys = None if rec is None else (rec.router_logits, rec.router_topk, rec.experts_used)
+            return constrain(x, ACTIVATION), ys
+
+        x, ys = jax.lax.scan(body, x, (params, replay))
+        return x, None if ys is None else [jnp.moveaxis(y, 0, 2) for y in ys]
+
+    def _head(self, x: Array, stacked: list[Array] | None, b: int, t: int, k: int
+              ) -> ModelOutput:
+        """Final norm + LM head; ``stacked`` = [router_logits, router_topk, experts_used]."""
+        cfg = self.config
+        x = self.norm(x)
+        if cfg.tie_word_embeddings:
+            logits = x @ self.embed_tokens[...].astype(self.dtype).T
+        else:
+            logits = x @ self.lm_head[...].astype(self.dtype)
+        if stacked is None:
             none = jnp.zeros((b, t, 0, k), jnp.int32)
             stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none]
-        out = ModelOutput(logits.astype(jnp.float32), *stacked)
-        return out, (None if cache is None else tuple(new_cache))
+        return ModelOutput(logits.astype(jnp.float32), *stacked)

@@ -214,3 +214,25 @@ def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
         np.testing.assert_allclose(g_sh, g_ref, atol=1e-6)
     np.testing.assert_allclose(grad2["layers"][1]["mlp"]["gate"][...],
                                ref_grad["layers"][1]["mlp"]["gate"][...], atol=1e-6)
+
+
+def test_scan_layers_equals_unrolled():
+    """scan_layers=True computes the same outputs, replay and gradients as the unrolled loop."""
+    cfg = Qwen3MoeConfig.tiny(num_hidden_layers=3, initializer_range=0.1)
+    unrolled = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0))
+    scanned = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True)
+    ids = _ids(cfg, b=2, t=9)
+    a, b = _fwd(unrolled, ids, None, None), _fwd(scanned, ids, None, None)
+    for name in ("logits", "router_logits", "router_topk", "experts_used"):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), atol=1e-5, err_msg=name)
+    other = a.router_topk[..., ::-1]
+    a, b = _fwd(unrolled, ids, None, other), _fwd(scanned, ids, None, other)
+    np.testing.assert_allclose(b.logits, a.logits, atol=1e-5)
+    np.testing.assert_array_equal(b.experts_used, other)
+
+    def loss(m):
+        return m(ids).logits.mean()
+
+    for x, y in zip(jax.tree.leaves(nnx.grad(loss)(unrolled)),
+                    jax.tree.leaves(nnx.grad(loss)(scanned)), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-6)
