@@ -145,3 +145,15 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     assert on["router_mismatch_applied"] == 0.0  # replay: the trainer uses the engine's experts
     assert on["router_mismatch"] == off["router_mismatch"]  # the router itself is unchanged
     assert 0 < off["kl_k3"] < 0.1 and 0 <= on["kl_k3"] < 0.1
+
+
+def test_make_engine_builds_the_configured_engine():
+    from satjax.config import RolloutConfig
+    from satjax.rollout.factory import make_engine
+
+    tok = CharTokenizer()
+    engine = make_engine(RolloutConfig(engine="builtin", sample_dtype="float32"), tok)
+    assert isinstance(engine, BuiltinEngine)
+    assert engine.sample_dtype == jnp.float32 and engine.pad_id == tok.pad_id
+    with pytest.raises(ValueError, match="sample_dtype"):
+        make_engine(RolloutConfig(engine="builtin", sample_dtype="int8"), tok)
