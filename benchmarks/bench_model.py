@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.sampling import SamplingParams, generate
+from satjax.model.sampling import generate
 
 
 def bench_config() -> Qwen3MoeConfig:
@@ -90,8 +90,9 @@ def main() -> None:
     print(f"ratio satjax / HF: {hf / sj:.2f}x (target >= 2x)")
 
     prompts = [list(range(3, 3 + 16 + i)) for i in range(args.batch)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.decode_tokens)
-    run = lambda: generate(model, prompts, params, rng=jax.random.key(0))  # noqa: E731
+    run = lambda: generate(model, prompts, temperature=1.0, top_k=0, top_p=1.0,  # noqa: E731
+                           max_new_tokens=args.decode_tokens, stop_token_ids=(),
+                           rng=jax.random.key(0))
     secs = _time(run, 2)
     print(f"sampler: batch {args.batch}, {args.decode_tokens} new tokens each: "
           f"{args.batch * args.decode_tokens / secs:10.0f} generated tokens/s "

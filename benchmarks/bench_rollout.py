@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.sampling import SamplingParams
 from satjax.model.tokenizer import CharTokenizer
 from satjax.rollout.builtin_engine import BuiltinEngine
+from satjax.rollout.engine import SamplingParams
 from satjax.rollout.vllm_engine import VllmEngine
 
 

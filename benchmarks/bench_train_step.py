@@ -18,13 +18,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from satjax import parallel
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from satjax.train.batch import Batch
-from satjax.train.state import TrainState
+from satjax.train.state import TrainState, make_optimizer
 from satjax.train.step import make_train_step
 
 
@@ -45,7 +44,7 @@ def synthetic_batch(cfg: Qwen3MoeConfig, B: int, T: int, group_size: int, seed: 
         rewards=r.standard_normal(B).astype(np.float32),
         group_ids=np.repeat(np.arange(B // group_size), group_size).astype(np.int32),
         policy_versions=np.zeros(B, np.int32),
-        routes=routes,
+        routed_experts=routes,
         group_size=group_size,
     )
 
@@ -72,7 +71,7 @@ def main() -> None:
     )
     for name in names:
         model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
-        graphdef, state = nnx.split(TrainState(model, optax.adamw(1e-4), seed=0))
+        graphdef, state = nnx.split(TrainState(model, make_optimizer(1e-4, max_grad_norm=1.0)))
         step = make_train_step(
             graphdef,
             state,

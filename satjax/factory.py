@@ -3,18 +3,14 @@ sampling parameters. Shared by ``satjax train | rollout | eval | sft | lag-sweep
 
 from __future__ import annotations
 
-import typing
-
 import jax.numpy as jnp
 from flax import nnx
 
-from satjax.config import Config, Dtype
+from satjax.config import Config
 from satjax.data.tasks import ArithmeticTask, JsonlMathTask, load_jsonl_examples
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
-from satjax.model.sampling import SamplingParams
+from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
-
-DTYPES = {name: jnp.dtype(name) for name in typing.get_args(Dtype)}
+from satjax.rollout.engine import SamplingParams
 
 
 def build_task(cfg: Config):

@@ -8,15 +8,14 @@ The mesh has four named axes (``MESH_AXES``):
   dimension, the batch sharded over it too so no device idles;
 - ``tensor`` tensor parallelism over heads / MLP / vocabulary.
 
-Model parameters carry *logical* axis names in their Flax NNX ``out_sharding`` metadata
-(see INTERFACES.md). ``LOGICAL_RULES`` maps each logical name to mesh axes. A dimension
+Model parameters carry *logical* axis names in their Flax NNX ``out_sharding`` metadata.
+``LOGICAL_RULES`` maps each logical name to mesh axes. A dimension
 whose size is not divisible by the mesh axes it maps to drops axes from the end of its
 rule until it is (down to full replication), so odd shapes never crash sharding.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -28,9 +27,22 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from satjax.config import MESH_AXES, MeshConfig  # re-exported: the schema lives in the config
+
 log = logging.getLogger(__name__)
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+__all__ = [
+    "LOGICAL_RULES",
+    "MESH_AXES",
+    "MeshConfig",
+    "batch_sharding",
+    "constrain",
+    "data_parallel_size",
+    "init_distributed",
+    "logical_to_spec",
+    "make_mesh",
+    "state_shardings",
+]
 
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -47,39 +59,6 @@ LOGICAL_RULES: LogicalRules = (
     ("experts", ("expert",)),
     ("expert_mlp", ("tensor",)),
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Sizes of the four mesh axes; their product must equal the device count."""
-
-    data: int = 1
-    fsdp: int = 1
-    expert: int = 1
-    tensor: int = 1
-
-    def __post_init__(self) -> None:
-        for name in MESH_AXES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeshConfig.{name} must be a positive int, got {value!r}")
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.data, self.fsdp, self.expert, self.tensor)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    def validate(self, num_devices: int) -> None:
-        """Raises ValueError unless data*fsdp*expert*tensor == num_devices."""
-        if self.size != num_devices:
-            raise ValueError(
-                f"MeshConfig {dict(zip(MESH_AXES, self.shape, strict=True))} has "
-                f"data*fsdp*expert*tensor = {self.size} but there are {num_devices} devices; "
-                "the product of the mesh axes must equal the device count"
-            )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -114,9 +93,10 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """PartitionSpec for an array of ``shape`` whose dims have logical ``names``.
 
-    Per dim: take the rule's mesh axes, skip size-1 axes and axes already used by an
-    earlier dim, then drop axes from the end until the dim size is divisible by their
-    product (replicating the dim if none fit). Unknown logical names raise ValueError.
+    Per dim: take the rule's mesh axes, skip size-1 axes, axes the mesh lacks and axes
+    already used by an earlier dim, then drop axes from the end until the dim size is
+    divisible by their product (replicating the dim if none fit). Unknown logical names
+    raise ValueError.
     """
     if not names:
         return PartitionSpec()
@@ -131,7 +111,7 @@ def logical_to_spec(
             continue
         if name not in table:
             raise ValueError(f"unknown logical axis name {name!r}; known: {sorted(table)}")
-        wanted = [a for a in table[name] if mesh.shape[a] > 1 and a not in used]
+        wanted = [a for a in table[name] if mesh.shape.get(a, 1) > 1 and a not in used]
         axes = list(wanted)
         while axes and size % math.prod(mesh.shape[a] for a in axes) != 0:
             axes.pop()
@@ -142,6 +122,20 @@ def logical_to_spec(
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None],
+              rules: LogicalRules = LOGICAL_RULES) -> jax.Array:
+    """``with_sharding_constraint`` of an activation by logical names under the current mesh
+    (``jax.set_mesh``); the identity without one, so model code runs unsharded unchanged.
+
+    Pinning activations at layer boundaries keeps GSPMD from propagating a parameter's
+    layout into the batch (which forces full rematerialisations of whole activations).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))
 
 
 def _logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
@@ -177,54 +171,26 @@ def state_shardings(tree: Any, mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-param_shardings = state_shardings  # INTERFACES.md name; works on a model or any NNX state
-
-
-def optimizer_shardings(optimizer: nnx.Optimizer, mesh: Mesh) -> Any:
-    """Shardings of an ``nnx.Optimizer``'s state: moments follow their parameters."""
-    return state_shardings(nnx.state(optimizer), mesh)
-
-
-# logical names of each Batch field (leading dim is always the batch)
-BATCH_FIELD_NAMES: dict[str, tuple[str | None, ...]] = {
-    "tokens": ("batch", "length"),
-    "attention_mask": ("batch", "length"),
-    "loss_mask": ("batch", "length"),
-    "behavior_logprobs": ("batch", "length"),
-    "rewards": ("batch",),
-    "advantages": ("batch",),
-    "group_ids": ("batch",),
-    "policy_versions": ("batch",),
-    "routes": ("batch", "length", None, None),
-}
-
-
 def batch_sharding(mesh: Mesh, batch: Any, rules: LogicalRules = LOGICAL_RULES) -> Any:
     """NamedShardings for a batch pytree: leading dim over the batch axes, rest replicated.
 
-    ``batch`` may be a ``satjax.train.Batch`` (fields named in ``BATCH_FIELD_NAMES``), a
-    dict, or any pytree of arrays; an array whose batch size does not divide the batch
-    axes falls back to fewer axes / replication.
+    ``batch`` may be a ``satjax.train.Batch``, a dict, or any pytree of arrays; an array
+    whose batch size does not divide the batch axes falls back to fewer axes / replication.
     """
 
-    def one(path: tuple[Any, ...], x: Any) -> NamedSharding:
+    def one(x: Any) -> NamedSharding:
         shape = np.shape(x)
         if not shape:
             return NamedSharding(mesh, PartitionSpec())
         names = ("batch",) + (None,) * (len(shape) - 1)
         return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
 
-    return jax.tree_util.tree_map_with_path(one, batch)
+    return jax.tree.map(one, batch)
 
 
 def data_parallel_size(mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) -> int:
     """How many ways the batch dimension is split (B should be a multiple of this)."""
     return math.prod(mesh.shape[a] for a in _rule_table(rules)["batch"])
-
-
-def shard_like(tree: Any, shardings: Any) -> Any:
-    """``jax.device_put`` of a tree onto a matching tree of shardings."""
-    return jax.device_put(tree, shardings)
 
 
 def init_distributed(

@@ -8,7 +8,9 @@ import jax
 import numpy as np
 
 from satjax.data.pipeline import decode_response, encode_prompt, eval_examples
-from satjax.model.sampling import SamplingParams, generate
+from satjax.model.sampling import generate
+from satjax.rollout.builtin_engine import completions
+from satjax.rollout.engine import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +40,9 @@ def evaluate(
     for start in range(0, len(examples), batch_prompts):
         chunk = examples[start : start + batch_prompts]
         prompts = [encode_prompt(tokenizer, ex) for ex in chunk for _ in range(k)]
-        outs = generate(model, prompts, sampling, rng=jax.random.key(seed + start), dtype=dtype,
-                        pad_id=tokenizer.pad_id)
+        outs = completions(prompts, generate(
+            model, prompts, **dataclasses.asdict(sampling), rng=jax.random.key(seed + start),
+            dtype=dtype, pad_id=tokenizer.pad_id))
         for i, ex in enumerate(chunk):
             rewards = []
             for c in outs[i * k : (i + 1) * k]:

@@ -13,24 +13,14 @@ import argparse
 import logging
 import os
 import zlib
-from pathlib import Path
 
 from satjax.config import load_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_task, build_tokenizer, sampling_params
+from satjax.rollout.factory import make_engine
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 from satjax.run_dir import RunDirs
 from satjax.weight_sync import WeightSubscriber
-
-
-def build_engine(cfg, tokenizer, log_dir: Path | None = None):
-    if cfg.rollout.engine == "vllm":
-        from satjax.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(cfg, log_dir=log_dir)
-    from satjax.rollout.builtin_engine import BuiltinEngine
-
-    return BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tokenizer.pad_id)
 
 
 def main(argv: list[str]) -> int:
@@ -56,7 +46,8 @@ def main(argv: list[str]) -> int:
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
     subscriber = WeightSubscriber(dirs.weights)
     worker = RolloutWorker(
-        build_engine(cfg, tokenizer, dirs.vllm_logs(wid)), task, tokenizer, client,
+        make_engine(cfg.rollout, tokenizer, dirs.vllm_logs(wid), seed=cfg.seed),
+        task, tokenizer, client,
         subscriber,
         iter(prompt_dataset(task, seed=seed)),
         WorkerConfig(

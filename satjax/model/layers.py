@@ -1,8 +1,8 @@
 """Dense building blocks of the Qwen3-MoE decoder: RMSNorm, RoPE, GQA attention, SwiGLU.
 
-Parameters are stored in the JAX ``x @ W`` layout and carry logical axis names (see
-INTERFACES.md) in their ``out_sharding`` metadata; ``eager_sharding=False`` so a model can
-be built without a mesh and sharded later by ``satjax.parallel``.
+Parameters are stored in the JAX ``x @ W`` layout and carry logical axis names (mapped to
+mesh axes by ``satjax.parallel.LOGICAL_RULES``) in their ``out_sharding`` metadata;
+``eager_sharding=False`` so a model can be built without a mesh and sharded later.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Routing: ``probs = softmax(x @ W_router)`` over all experts (float32), top-k by prob, gate
 weights renormalised over the k chosen experts iff ``norm_topk_prob``. With R3 replay the
-chosen experts come from ``routing`` and the gate weights are the model's own ``probs``
-gathered at them (renormalised the same way), so the router still receives gradients.
+experts that run come from ``routed_experts`` (the engine's record) and the gate weights are
+the model's own ``probs`` gathered at them (renormalised the same way), so the router still
+receives gradients. The block reports both the router's own top-k (``router_topk``) and what
+ran (``experts_used``) in a :class:`RouteRecord`.
 
 Three dispatch implementations, all dropless (no capacity factor, no token is ever
 dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
@@ -24,35 +26,53 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from satjax.model.layers import make_param
+from satjax.parallel import constrain
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "blocked", "ragged", "dense_einsum")
 
 
-def route(router_logits: Array, k: int, norm_topk_prob: bool, routing: Array | None = None
-          ) -> tuple[Array, Array, Array]:
-    """Top-k routing from float32 logits [N, E].
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouteRecord:
+    """What one MoE layer's router decided and what ran, per token.
 
-    Returns (experts used int32 [N, k], gate weights float32 [N, k], the router's own top-k
-    int32 [N, k] in descending-probability order). ``routing`` [N, k] replays given experts.
+    router_logits f32 [..., E]  the router's logits
+    router_topk   i32 [..., k]  the router's own top-k, descending probability
+    experts_used  i32 [..., k]  the experts that ran: the replayed ``routed_experts`` under
+                                R3, else equal to ``router_topk``
+    weights           [..., k]  gate weights of ``experts_used`` (compute dtype)
     """
+
+    router_logits: Array
+    router_topk: Array
+    experts_used: Array
+    weights: Array
+
+
+def route(router_logits: Array, k: int, norm_topk_prob: bool,
+          routed_experts: Array | None = None) -> RouteRecord:
+    """Top-k routing from float32 logits [N, E]; ``routed_experts`` [N, k] replays experts."""
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, k)
     top_i = top_i.astype(jnp.int32)
-    if routing is None:
+    if routed_experts is None:
         experts, weights = top_i, top_p
     else:
         # clipped so padding rows holding e.g. -1 stay harmless (their outputs are masked)
-        experts = jnp.clip(routing.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
+        experts = jnp.clip(routed_experts.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts, weights, top_i
+    return RouteRecord(router_logits=router_logits, router_topk=top_i, experts_used=experts,
+                       weights=weights)
 
 
 def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
@@ -147,7 +167,8 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router + experts. Returns (out [B, T, D], router logits f32 [B, T, E], top-k [B, T, k])."""
+    """Router + experts: ``(x [B, T, D], routed_experts [B, T, k] | None) -> (out, RouteRecord)``
+    with the record's fields shaped [B, T, E] / [B, T, k]."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
                  moe_impl: str = "auto"):
@@ -159,15 +180,23 @@ class SparseMoeBlock(nnx.Module):
         self.moe_impl = resolve_moe_impl(moe_impl)
         self.dtype = dtype
 
-    def __call__(self, x: Array, routing: Array | None = None) -> tuple[Array, Array, Array]:
+    def __call__(self, x: Array, routed_experts: Array | None = None
+                 ) -> tuple[Array, RouteRecord]:
         b, t, d = x.shape
-        flat = x.reshape(b * t, d)
+        flat = constrain(x.reshape(b * t, d), ("batch", None))
         logits = (flat @ self.gate[...].astype(self.dtype)).astype(jnp.float32)
-        flat_routing = None if routing is None else routing.reshape(b * t, self.top_k)
-        experts, weights, own = route(logits, self.top_k, self.norm_topk_prob, flat_routing)
-        weights = weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
-        ws = [p[...].astype(self.dtype) for p in
+        flat_replay = (None if routed_experts is None
+                       else routed_experts.reshape(b * t, self.top_k))
+        rec = route(logits, self.top_k, self.norm_topk_prob, flat_replay)
+        weights = rec.weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
+        # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
+        # sharded weights without a full rematerialisation: all-gather them explicitly
+        # (dense_einsum keeps them sharded over experts).
+        keep = ("experts", None, None) if self.moe_impl == "dense_einsum" else (None,) * 3
+        ws = [constrain(p[...].astype(self.dtype), keep) for p in
               (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
-        out = _IMPLS[self.moe_impl](flat, experts, weights, *ws)
-        return (out.reshape(b, t, d), logits.reshape(b, t, -1),
-                own.reshape(b, t, self.top_k))
+        out = constrain(_IMPLS[self.moe_impl](flat, rec.experts_used, weights, *ws),
+                        ("batch", None))
+        rec = RouteRecord(router_logits=logits, router_topk=rec.router_topk,
+                          experts_used=rec.experts_used, weights=weights)
+        return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

@@ -6,14 +6,15 @@ are masked out of attention. Per generated token the sampler returns its log-pro
 *processed* distribution it was sampled from (temperature, then top-k, then top-p, as vLLM's
 ``processed_logprobs``); with ``temperature == 0`` it decodes greedily and reports the
 log-prob under the raw (unscaled, unfiltered) distribution. It also returns, per token, the
-experts the router chose in every MoE layer, in vLLM's ``[P + N - 1, L, k]`` convention.
+experts the router chose in every MoE layer (vLLM's convention: one row per input position,
+``P + N - 1`` of them). ``generate`` returns host arrays (:class:`Samples`); turning them into
+per-prompt records is the rollout engine's job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -27,36 +28,25 @@ _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Sampling controls. ``top_k=0`` and ``top_p=1`` disable those filters."""
+class Samples:
+    """Host arrays of one ``generate`` call: B prompts left-padded to P, N new-token slots.
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
+    prompt_lengths i32 [B]                 real prompt tokens of each row
+    lengths        i32 [B]                 generated tokens of each row (<= N)
+    tokens         i32 [B, N]              generated tokens, ``pad_id`` after ``lengths``
+    logprobs       f32 [B, N]              their log-probs under the processed distribution
+    stopped        bool [B]                the row ended on a stop token
+    routed_experts i32 [B, P + N - 1, L, k] experts the router chose per input position of
+                                           the padded sequence (row r's real positions are
+                                           ``P - prompt_lengths[r] : P + lengths[r] - 1``)
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclasses.dataclass
-class Completion:
-    """One sampled response. routed_experts: int32 [P + N - 1, L, k] (vLLM convention)."""
-
-    prompt_tokens: np.ndarray
-    response_tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    lengths: np.ndarray
+    tokens: np.ndarray
     logprobs: np.ndarray
+    stopped: np.ndarray
     routed_experts: np.ndarray
-    finish_reason: Literal["stop", "length"]
 
 
 def processed_logprobs(logits: Array, temperature: float | Array, top_k: int | Array = 0,
@@ -110,7 +100,7 @@ def _decode(graphdef, state, tokens, prompt_mask, rng, temperature, top_k, top_p
     kv_valid = jnp.zeros((b, p + max_new_tokens), jnp.bool_).at[:, :p].set(prompt_mask)
     positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
     out, cache = model.forward_with_cache(tokens, positions, kv_valid, cache, 0)
-    prompt_routes = out.selected_experts
+    prompt_routes = out.router_topk
     stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
     def cond(carry):
@@ -133,7 +123,7 @@ def _decode(graphdef, state, tokens, prompt_mask, rng, temperature, top_k, top_p
         done = done | jnp.isin(tok, stop)
         step, cache = model.forward_with_cache(tok[:, None], pos[:, None], kv_valid, cache,
                                                p + i)
-        routes = routes.at[:, i].set(step.selected_experts[:, 0])
+        routes = routes.at[:, i].set(step.router_topk[:, 0])
         return (i + 1, cache, kv_valid, step.logits[:, 0], pos + 1, done, toks, lps, routes,
                 lengths)
 
@@ -150,11 +140,13 @@ _decode_jit = jax.jit(_decode, static_argnums=(0,), static_argnames=(
     "max_new_tokens", "greedy", "stop_ids", "pad_id"))
 
 
-def generate(model: Qwen3MoeForCausalLM, prompts: Sequence[Sequence[int] | np.ndarray],
-             params: SamplingParams, *, rng: Array, dtype: jnp.dtype | None = None,
-             pad_id: int = 0) -> list[Completion]:
+def generate(model: Qwen3MoeForCausalLM, prompts: Sequence[Sequence[int] | np.ndarray], *,
+             temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+             stop_token_ids: Sequence[int], rng: Array, dtype: jnp.dtype | None = None,
+             pad_id: int = 0) -> Samples:
     """Sample one completion per prompt (see module docstring for the conventions).
 
+    ``top_k=0`` and ``top_p=1`` disable those filters; ``temperature == 0`` is greedy.
     dtype overrides the model's compute dtype for sampling (e.g. ``jnp.bfloat16``).
     """
     if not prompts:
@@ -172,20 +164,21 @@ def generate(model: Qwen3MoeForCausalLM, prompts: Sequence[Sequence[int] | np.nd
         tokens[row, p - a.size:] = a
         mask[row, p - a.size:] = True
     graphdef, state = nnx.split(model)
-    greedy = params.temperature == 0
+    greedy = temperature == 0
+    stop_ids = tuple(int(t) for t in stop_token_ids)
     toks, lps, prompt_routes, gen_routes, lengths = jax.device_get(_decode_jit(
         graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng,
-        jnp.float32(params.temperature if not greedy else 1.0), jnp.int32(params.top_k),
-        jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens, greedy=greedy,
-        stop_ids=params.stop_token_ids, pad_id=int(pad_id)))
-    completions = []
-    for row, a in enumerate(prompt_arrays):
-        n = int(lengths[row])
-        response = np.asarray(toks[row, :n], np.int32)
-        finish = "stop" if n and int(response[-1]) in params.stop_token_ids else "length"
-        routes = np.concatenate([prompt_routes[row, p - a.size:], gen_routes[row, :n - 1]])
-        completions.append(Completion(
-            prompt_tokens=a, response_tokens=response,
-            logprobs=np.asarray(lps[row, :n], np.float32),
-            routed_experts=np.asarray(routes, np.int32), finish_reason=finish))
-    return completions
+        jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k),
+        jnp.float32(top_p), max_new_tokens=max_new_tokens, greedy=greedy,
+        stop_ids=stop_ids, pad_id=int(pad_id)))
+    lengths = np.asarray(lengths, np.int32)
+    last = np.take_along_axis(toks, np.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+    return Samples(
+        prompt_lengths=np.asarray([a.size for a in prompt_arrays], np.int32),
+        lengths=lengths,
+        tokens=np.asarray(toks, np.int32),
+        logprobs=np.asarray(lps, np.float32),
+        stopped=(lengths > 0) & np.isin(last, stop_ids),
+        routed_experts=np.concatenate([prompt_routes, gen_routes[:, :-1]], axis=1).astype(
+            np.int32),
+    )

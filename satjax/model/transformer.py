@@ -10,24 +10,32 @@ from flax import nnx
 
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.layers import Attention, DenseMLP, RMSNorm, make_param, rope_cos_sin
-from satjax.model.moe import SparseMoeBlock
+from satjax.model.moe import RouteRecord, SparseMoeBlock
+from satjax.parallel import constrain
 
 Array = jax.Array
+# logical axes of the residual stream [B, T, D] at layer boundaries: batch-sharded only
+ACTIVATION = ("batch", "length", None)
 KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, S, Hkv, Dh]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
-    """logits f32 [B, T, V]; router_logits f32 [B, T, L, E]; selected_experts i32 [B, T, L, k].
+    """The forward's outputs; L = number of MoE layers.
 
-    ``selected_experts`` is always the router's own top-k (descending prob), also under
-    replay, so engine-vs-trainer routing mismatch can be measured with replay on.
+    logits        f32 [B, T, V]
+    router_logits f32 [B, T, L, E]
+    router_topk   i32 [B, T, L, k]  the router's own top-k (descending prob), also under
+                                    replay, so engine-vs-trainer mismatch stays measurable
+    experts_used  i32 [B, T, L, k]  what ran: the replayed ``routed_experts`` under R3,
+                                    else equal to ``router_topk``
     """
 
     logits: Array
     router_logits: Array
-    selected_experts: Array
+    router_topk: Array
+    experts_used: Array
 
 
 def _explicit_mesh_axes() -> bool:
@@ -55,6 +63,24 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
 
+    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
+                 cache: tuple[Array, Array] | None = None, cache_index: Array | int = 0,
+                 routed_experts: Array | None = None
+                 ) -> tuple[Array, tuple[Array, Array] | None, RouteRecord | None]:
+        """x [B, T, D] -> (x, updated cache, RouteRecord of a MoE layer else None).
+
+        routed_experts i32 [B, T, k] replays these experts (MoE layers only).
+        """
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        routes = None
+        if self.is_moe:
+            h, routes = self.mlp(h, routed_experts)
+        else:
+            h = self.mlp(h)
+        return x + h, cache, routes
+
 
 class Qwen3MoeForCausalLM(nnx.Module):
     """Token embedding -> decoder layers -> RMSNorm -> LM head (tied or untied).
@@ -65,11 +91,17 @@ class Qwen3MoeForCausalLM(nnx.Module):
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
       param_dtype: storage dtype of the parameters.
       moe_impl: "auto" | "blocked" | "ragged" | "dense_einsum" dropless dispatch (moe.py).
+      scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
+        layers (their parameters stacked per call) when all layers are alike (all MoE or all
+        dense), so compile time stops growing with depth. Parameters stay per layer, so HF
+        I/O and sharding rules are unchanged; the KV-cache path always unrolls.
     """
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
-                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto"):
+                 param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto",
+                 scan_layers: bool = False):
         self.config = cfg
+        self.scan_layers = scan_layers
         self.dtype = dtype
         std = cfg.initializer_range
         self.embed_tokens = make_param(rngs, (cfg.vocab_size, cfg.hidden_size),
@@ -87,12 +119,13 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------------------------
     def __call__(self, input_ids: Array, *, attention_mask: Array | None = None,
-                 positions: Array | None = None, routing: Array | None = None) -> ModelOutput:
+                 positions: Array | None = None, routed_experts: Array | None = None
+                 ) -> ModelOutput:
         """Full-sequence forward.
 
         input_ids int32 [B, T]; attention_mask [B, T] (1 = real token; padding anywhere is
         excluded as a key); positions int32 [B, T] (default cumsum(mask) - 1, clipped at 0);
-        routing int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
+        routed_experts int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -110,19 +143,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         elif tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
         if _explicit_mesh_axes():
-            return self._call_auto_axes(input_ids, valid, positions, routing)
-        return self._full_forward(input_ids, valid, positions, routing)
+            return self._call_auto_axes(input_ids, valid, positions, routed_experts)
+        return self._full_forward(input_ids, valid, positions, routed_experts)
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
-                      routing: Array | None) -> ModelOutput:
+                      routed_experts: Array | None) -> ModelOutput:
         t = input_ids.shape[1]
         slots = jnp.arange(t)
         mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
-        out, _ = self._run(input_ids, positions, mask, routing, None, 0)
+        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
-                        routing: Array | None) -> ModelOutput:
+                        routed_experts: Array | None) -> ModelOutput:
         """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
 
         Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
@@ -132,17 +165,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         spec = spec + (None,) * (2 - len(spec))
         graphdef, state = nnx.split(self)
 
-        def body(state, input_ids, valid, positions, routing):
-            return nnx.merge(graphdef, state)._full_forward(input_ids, valid, positions, routing)
+        def body(state, input_ids, valid, positions, routed_experts):
+            model = nnx.merge(graphdef, state)
+            return model._full_forward(input_ids, valid, positions, routed_experts)
 
         P = jax.sharding.PartitionSpec
-        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None))
+        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None),
+                                   P(*spec, None, None))
         return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
-            state, input_ids, valid, positions, routing)
+            state, input_ids, valid, positions, routed_experts)
 
     def forward_with_cache(self, input_ids: Array, positions: Array, kv_valid: Array,
                            cache: KVCache, cache_index: Array | int,
-                           routing: Array | None = None) -> tuple[ModelOutput, KVCache]:
+                           routed_experts: Array | None = None) -> tuple[ModelOutput, KVCache]:
         """Incremental forward writing T new tokens at cache slots cache_index..+T-1.
 
         kv_valid bool [B, S]: which cache slots hold real tokens (including the new ones).
@@ -152,7 +187,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         s = cache[0][0].shape[1]
         q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
         mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
-        return self._run(input_ids, positions, mask, routing, cache, cache_index)
+        return self._run(input_ids, positions, mask, routed_experts, cache, cache_index)
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
@@ -163,45 +198,73 @@ class Qwen3MoeForCausalLM(nnx.Module):
                      for _ in range(cfg.num_hidden_layers))
 
     # ------------------------------------------------------------------------------------
-    def _run(self, input_ids: Array, positions: Array, mask: Array, routing: Array | None,
+    def _run(self, input_ids: Array, positions: Array, mask: Array,
+             routed_experts: Array | None,
              cache: KVCache | None, cache_index: Array | int
              ) -> tuple[ModelOutput, KVCache | None]:
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
-        if routing is not None:
-            routing = jnp.asarray(routing)
-            if tuple(routing.shape) != (b, t, n_moe, k):
+        if routed_experts is not None:
+            routed_experts = jnp.asarray(routed_experts)
+            if tuple(routed_experts.shape) != (b, t, n_moe, k):
                 raise ValueError(
-                    f"routing must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
-                    f"got {routing.shape}")
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+                    f"routed_experts must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
+                    f"got {routed_experts.shape}")
+        # the lookup gathers whole rows: keep the table sharded over vocab only (GSPMD masks
+        # and all-reduces), an embed-sharded table would need a full rematerialisation
+        table = constrain(self.embed_tokens[...], ("vocab", None))
+        x = constrain(jnp.take(table, input_ids, axis=0).astype(self.dtype), ACTIVATION)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
-        router_logits, selected, new_cache = [], [], []
+        if cache is None and self.scan_layers and len({m.is_moe for m in self.layers}) == 1:
+            x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts)
+            return self._head(x, stacked, b, t, k), None
+        routes, new_cache = [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache[i]
-            h, layer_cache = layer.self_attn(layer.input_layernorm(x), cos, sin, mask,
-                                             layer_cache, cache_index)
+            replay = None
+            if routed_experts is not None and layer.is_moe:
+                replay = routed_experts[:, :, len(routes)]
+            x, layer_cache, rec = layer(x, cos, sin, mask, None if cache is None else cache[i],
+                                        cache_index, replay)
+            x = constrain(x, ACTIVATION)
             new_cache.append(layer_cache)
-            x = x + h
-            h = layer.post_attention_layernorm(x)
-            if layer.is_moe:
-                replay = None if routing is None else routing[:, :, len(selected)]
-                h, logits, top = layer.mlp(h, replay)
-                router_logits.append(logits)
-                selected.append(top)
-            else:
-                h = layer.mlp(h)
-            x = x + h
+            if rec is not None:
+                routes.append(rec)
+        if routes:
+            stacked = [jnp.stack(field, axis=2) for field in
+                       ([r.router_logits for r in routes], [r.router_topk for r in routes],
+                        [r.experts_used for r in routes])]
+        else:
+            stacked = None
+        return self._head(x, stacked, b, t, k), (None if cache is None else tuple(new_cache))
+
+    def _scan_layers(self, x: Array, cos: Array, sin: Array, mask: Array,
+                     routed_experts: Array | None) -> tuple[Array, list[Array] | None]:
+        """All (alike) layers as one scan; returns x and the stacked [B, T, L, ...] routes."""
+        graphdef = nnx.graphdef(self.layers[0])
+        params = jax.tree.map(lambda *ws: jnp.stack(ws),
+                              *[nnx.state(layer) for layer in self.layers])
+        replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)
+
+        def body(x, xs):
+            state, layer_replay = xs
+            x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, layer_replay)
+            ys = None if rec is None else (rec.router_logits, rec.router_topk, rec.experts_used)
+            return constrain(x, ACTIVATION), ys
+
+        x, ys = jax.lax.scan(body, x, (params, replay))
+        return x, None if ys is None else [jnp.moveaxis(y, 0, 2) for y in ys]
+
+    def _head(self, x: Array, stacked: list[Array] | None, b: int, t: int, k: int
+              ) -> ModelOutput:
+        """Final norm + LM head; ``stacked`` = [router_logits, router_topk, experts_used]."""
+        cfg = self.config
         x = self.norm(x)
         if cfg.tie_word_embeddings:
             logits = x @ self.embed_tokens[...].astype(self.dtype).T
         else:
             logits = x @ self.lm_head[...].astype(self.dtype)
-        if selected:
-            rl, se = jnp.stack(router_logits, axis=2), jnp.stack(selected, axis=2)
-        else:
-            rl = jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32)
-            se = jnp.zeros((b, t, 0, k), jnp.int32)
-        out = ModelOutput(logits.astype(jnp.float32), rl, se)
-        return out, (None if cache is None else tuple(new_cache))
+        if stacked is None:
+            none = jnp.zeros((b, t, 0, k), jnp.int32)
+            stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none]
+        return ModelOutput(logits.astype(jnp.float32), *stacked)

@@ -8,16 +8,16 @@ in fp32 so that it checks the weights, not the numerics.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from satjax.model import from_pretrained
-from satjax.model.sampling import Completion, SamplingParams, generate
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from satjax.model import DTYPES, canary_logprobs, from_pretrained
+from satjax.model.sampling import Samples, generate
+from satjax.rollout.engine import Completion, SamplingParams
 
 
 class BuiltinEngine:
@@ -25,9 +25,9 @@ class BuiltinEngine:
     canary_atol = 1e-4
 
     def __init__(self, sample_dtype: str = "bfloat16", pad_id: int = 0) -> None:
-        if sample_dtype not in _DTYPES:
-            raise ValueError(f"sample_dtype: one of {sorted(_DTYPES)}, got {sample_dtype!r}")
-        self.sample_dtype = _DTYPES[sample_dtype]
+        if sample_dtype not in DTYPES:
+            raise ValueError(f"sample_dtype: one of {sorted(DTYPES)}, got {sample_dtype!r}")
+        self.sample_dtype = DTYPES[sample_dtype]
         self.pad_id = pad_id
         self.model = None
         self.version: int | None = None
@@ -45,10 +45,11 @@ class BuiltinEngine:
     ) -> list[Completion]:
         if self.model is None:
             raise RuntimeError("BuiltinEngine.generate before load()")
-        return generate(
-            self.model, prompts, sampling, rng=jax.random.key(seed),
+        samples = generate(
+            self.model, prompts, **dataclasses.asdict(sampling), rng=jax.random.key(seed),
             dtype=self.sample_dtype, pad_id=self.pad_id,
         )
+        return completions(prompts, samples)
 
     def canary_logprobs(self, tokens: list[int]) -> list[float]:
         if self.model is None:
@@ -56,10 +57,16 @@ class BuiltinEngine:
         return canary_logprobs(self.model, tokens)
 
 
-def canary_logprobs(model, tokens: list[int]) -> list[float]:
-    """fp32 teacher-forced log-probs of ``tokens[1:]``: the trainer and every engine
-    compute this same quantity for the weight-sync check."""
-    ids = jnp.asarray([tokens], jnp.int32)
-    logits = model(ids).logits[0, :-1].astype(jnp.float32)
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    return np.asarray(jnp.take_along_axis(lp, ids[0, 1:, None], axis=-1)[:, 0]).tolist()
+def completions(prompts: list[list[int]], samples: Samples) -> list[Completion]:
+    """Cuts the sampler's padded arrays into one ``Completion`` per prompt."""
+    padded = samples.routed_experts.shape[1] - samples.tokens.shape[1] + 1  # P
+    out = []
+    for row, prompt in enumerate(prompts):
+        n, p = int(samples.lengths[row]), int(samples.prompt_lengths[row])
+        out.append(Completion(
+            prompt_tokens=np.asarray(prompt, np.int32).reshape(-1),
+            response_tokens=samples.tokens[row, :n].copy(),
+            logprobs=samples.logprobs[row, :n].copy(),
+            routed_experts=samples.routed_experts[row, padded - p: padded + n - 1].copy(),
+            finish_reason="stop" if samples.stopped[row] else "length"))
+    return out

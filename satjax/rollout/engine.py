@@ -2,10 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from satjax.model.sampling import Completion, SamplingParams
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling controls. ``top_k=0`` and ``top_p=1`` disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled response. routed_experts: int32 [P + N - 1, L, k] (vLLM convention)."""
+
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    logprobs: np.ndarray
+    routed_experts: np.ndarray
+    finish_reason: Literal["stop", "length"]
 
 
 class Engine(Protocol):

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from satjax.model.sampling import Completion, SamplingParams
+from satjax.rollout.engine import Completion, SamplingParams
 from satjax.utils import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -133,18 +133,18 @@ def parse_choice(prompt: Sequence[int], choice: dict[str, Any]) -> Completion:
 class VllmEngine:
     """Engine protocol over a vLLM server subprocess (see the module docstring).
 
-    ``cfg`` is a :class:`satjax.config.Config` (or None for the defaults); ``dtype``
-    overrides ``cfg.rollout.sample_dtype``.
+    ``python``: the vLLM venv's interpreter (``resolve_python``); ``dtype``: the serving
+    dtype (``rollout.sample_dtype``); ``seed``: the server's sampling seed.
     """
 
     name = "vllm"
 
     def __init__(
         self,
-        cfg=None,
         *,
         python: str | None = None,
-        dtype: str | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
         max_model_len: int | None = None,
         startup_timeout_s: float = 900.0,
         request_timeout_s: float = 600.0,
@@ -152,19 +152,17 @@ class VllmEngine:
         log_dir: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
-        rollout = getattr(cfg, "rollout", None)
-        dtype = dtype or (rollout.sample_dtype if rollout is not None else "float32")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: one of {sorted(_DTYPES)}, got {dtype!r}")
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
-        self.python = resolve_python(python or (rollout.vllm_python if rollout else ""))
+        self.python = resolve_python(python or "")
         self.dtype = dtype
         self.canary_atol = _CANARY_ATOL[dtype]
         self.max_model_len = max_model_len
-        self.seed = int(getattr(cfg, "seed", 0))
+        self.seed = int(seed)
         self.startup_timeout_s = startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency

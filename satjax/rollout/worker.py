@@ -23,8 +23,7 @@ import numpy as np
 
 from satjax.data.pipeline import Task, decode_response, encode_prompt
 from satjax.data.tasks import Example
-from satjax.model.sampling import SamplingParams
-from satjax.rollout.engine import Engine
+from satjax.rollout.engine import Engine, SamplingParams
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import WeightSubscriber, check_canary
 

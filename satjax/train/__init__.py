@@ -1,17 +1,14 @@
-"""Trainer: batches, train state, log-probs, the jitted sharded step, checkpoints, metrics."""
+"""Trainer: batches, train state, the jitted sharded step, checkpoints, metrics."""
 
 from satjax.train.batch import Batch, make_batch, pick_bucket
-from satjax.train.logprobs import token_logprobs
 from satjax.train.state import TrainState, make_optimizer
-from satjax.train.step import TrainStep, make_train_step
+from satjax.train.step import make_train_step
 
 __all__ = [
     "Batch",
     "TrainState",
-    "TrainStep",
     "make_batch",
     "make_optimizer",
     "make_train_step",
     "pick_bucket",
-    "token_logprobs",
 ]

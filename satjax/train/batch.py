@@ -1,6 +1,6 @@
 """Training batches: padded, bucketed arrays built from rollout trajectories.
 
-Alignment convention (the one ``token_logprobs`` produces): position ``t`` of every
+Alignment convention (the one ``satjax.model.token_logprobs`` produces): position ``t`` of every
 ``[B, T]`` per-token array refers to token ``tokens[:, t]`` as *predicted* from positions
 ``< t``. So ``loss_mask[b, t] = 1`` exactly where ``tokens[b, t]`` is a response token,
 and ``behavior_logprobs[b, t]`` is the engine's log-prob of that token.
@@ -18,8 +18,6 @@ from flax import struct
 
 from satjax.trajectory import Trajectory
 
-DEFAULT_BUCKETS: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
 
 @struct.dataclass
 class Batch:
@@ -33,8 +31,9 @@ class Batch:
       rewards           float32 [B]
       group_ids         int32   [B]     rows of one group are contiguous, group_size each
       policy_versions   int32   [B]     version that sampled the row (-1 on padding rows)
-      routes            int32   [B, T, L, k] or None  engine routing; row t = the experts
-                                         token t was routed to (last real position zeros)
+      routed_experts    int32   [B, T, L, k] or None  the engine's experts; row t = the
+                                         experts token t was routed to (last real position
+                                         zeros)
       advantages        float32 [B] or None  precomputed advantages (else from rewards)
     """
 
@@ -45,21 +44,14 @@ class Batch:
     rewards: jax.Array
     group_ids: jax.Array
     policy_versions: jax.Array
-    routes: jax.Array | None = None
+    routed_experts: jax.Array | None = None
     advantages: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.tokens.shape)  # type: ignore[return-value]
 
     def route_mask(self) -> jax.Array:
         """[B, T] bool: positions whose routes are recorded (real token with a successor)."""
         m = self.attention_mask.astype(bool)
         return m & jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
-
-    def num_loss_tokens(self) -> jax.Array:
-        return jnp.sum(self.loss_mask)
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int | None:
@@ -85,7 +77,7 @@ def _grouped(trajectories: Sequence[Trajectory], group_size: int) -> list[Trajec
 def make_batch(
     trajectories: Sequence[Trajectory],
     *,
-    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    buckets: Sequence[int],
     pad_id: int = 0,
     num_layers_moe: int | None = None,
     top_k: int | None = None,
@@ -199,7 +191,7 @@ def make_batch(
         rewards=rewards,
         group_ids=group_ids,
         policy_versions=versions,
-        routes=routes,
+        routed_experts=routes,
         advantages=adv,
         group_size=group_size,
     )

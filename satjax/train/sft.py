@@ -16,6 +16,7 @@ from flax import nnx
 
 from satjax.data.pipeline import encode_prompt
 from satjax.data.tasks import Example
+from satjax.model.logprobs import token_logprobs
 
 
 def encode_sft_batch(
@@ -39,11 +40,10 @@ def encode_sft_batch(
 
 
 def sft_loss(model, batch) -> jax.Array:
-    logits = model(batch["tokens"], attention_mask=batch["attention_mask"]).logits
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
-    mask = batch["loss_mask"][:, 1:]
-    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    """Mean negative log-likelihood of the ``loss_mask`` tokens."""
+    lp, _ = token_logprobs(model, batch["tokens"], batch["attention_mask"])
+    mask = batch["loss_mask"]
+    return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 @nnx.jit

@@ -2,7 +2,8 @@
 
 One step: recompute the batch's token log-probs under the current weights (replaying the
 engine's routes when configured), compute group advantages, apply the configured objective
-(SAT-GSPO by default), take the gradient, clip it by global norm, apply the optimizer.
+(SAT-GSPO by default), take the gradient, apply the optimizer (whose Optax chain clips by
+global norm, see ``state.make_optimizer``).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
 statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
@@ -29,8 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from satjax import losses, objectives, parallel
+from satjax.model.logprobs import router_mismatch, token_logprobs
 from satjax.train.batch import Batch
-from satjax.train.logprobs import router_metrics, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,13 @@ def batch_advantages(batch: Batch, *, normalize_std: bool = True) -> jax.Array:
     )
 
 
+def _route_metrics(router_topk: jax.Array, experts_used: jax.Array, batch: Batch) -> Metrics:
+    """Engine-vs-trainer routing mismatch (empty when the batch has no engine routes)."""
+    if batch.routed_experts is None:
+        return {}
+    return router_mismatch(router_topk, experts_used, batch.routed_experts, batch.route_mask())
+
+
 def _split_micro(x: jax.Array, num: int) -> jax.Array:
     """[B, ...] -> [num, B/num, ...]; micro-batch i holds rows i, i+num, ... (strided, so
     a batch sharded in contiguous blocks over devices stays sharded without moving data)."""
@@ -57,7 +65,7 @@ def _merge_micro(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-class TrainStep:
+class _TrainStep:
     """Callable ``(state, batch) -> (state, metrics)``; ``state`` is donated.
 
     ``state`` is ``nnx.split(train_state)[1]`` laid out with ``state_shardings``; use
@@ -72,20 +80,17 @@ class TrainStep:
         state: nnx.State,
         *,
         mesh: Mesh,
-        objective: str = "sat_gspo",
-        objective_hp: Mapping[str, Any] | None = None,
-        replay: bool = True,
-        grad_accum: int = 1,
-        max_grad_norm: float | None = 1.0,
-        temperature: float = 1.0,
-        lr_schedule: optax.Schedule | None = None,
-        normalize_adv_std: bool = True,
-        donate: bool = True,
+        objective: str,
+        objective_hp: Mapping[str, Any] | None,
+        replay: bool,
+        grad_accum: int,
+        temperature: float,
+        lr_schedule: optax.Schedule | None,
+        normalize_adv_std: bool,
+        donate: bool,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.graphdef = graphdef
@@ -94,7 +99,6 @@ class TrainStep:
         self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
         self.replay = replay
         self.grad_accum = grad_accum
-        self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.lr_schedule = lr_schedule
         self.normalize_adv_std = normalize_adv_std
@@ -127,20 +131,20 @@ class TrainStep:
             "mask": batch.loss_mask.astype(jnp.float32),
         }
 
-        def logprobs_of(p: nnx.State, mb: Batch) -> tuple[jax.Array, Metrics]:
-            m = nnx.merge(gdm, p, rest)
-            return token_logprobs(m, mb, replay=self.replay, temperature=self.temperature)
-
-        def route_aux(raux: Metrics, full: Batch) -> Metrics:
-            return router_metrics(raux["router_topk"], raux["selected_experts"], full)
+        def logprobs_of(p: nnx.State, mb: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+            """(log-probs [B, T], router_topk, experts_used [B, T, L, k]) of a micro-batch."""
+            replayed = mb.routed_experts if self.replay else None
+            lp, out = token_logprobs(nnx.merge(gdm, p, rest), mb.tokens, mb.attention_mask,
+                                     temperature=self.temperature, routed_experts=replayed)
+            return lp, out.router_topk, out.experts_used
 
         A = self.grad_accum
         if A == 1:
 
             def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
-                lp, raux = logprobs_of(p, batch)
+                lp, topk, used = logprobs_of(p, batch)
                 loss, oaux = self.objective_fn(lp, obj_batch)
-                return loss, (oaux, route_aux(raux, batch))
+                return loss, (oaux, _route_metrics(topk, used, batch))
 
             (loss, (oaux, raux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return grads, loss, oaux, raux
@@ -150,16 +154,12 @@ class TrainStep:
             raise ValueError(f"batch size {B} is not divisible by grad_accum={A}")
         micro = jax.tree.map(lambda x: _split_micro(x, A), batch)
 
-        def forward(mb: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-            lp, raux = logprobs_of(params, mb)
-            return lp, raux["router_topk"], raux["selected_experts"]
-
-        lp_m, topk_m, sel_m = jax.lax.map(forward, micro)
+        lp_m, topk_m, used_m = jax.lax.map(lambda mb: logprobs_of(params, mb), micro)
         lp_full = _merge_micro(lp_m)
         (loss, oaux), g_lp = jax.value_and_grad(
             lambda lp: self.objective_fn(lp, obj_batch), has_aux=True
         )(lp_full)
-        raux = router_metrics(_merge_micro(topk_m), _merge_micro(sel_m), batch)
+        raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m), batch)
         g_micro = _split_micro(g_lp, A)
 
         def pull_back(acc: nnx.State, xs: tuple[Batch, jax.Array]) -> tuple[nnx.State, None]:
@@ -183,15 +183,11 @@ class TrainStep:
         advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
         grads, loss, oaux, raux = self._grads(ts.model, batch, advantages)
 
-        grad_norm = optax.tree.norm(grads)
-        if self.max_grad_norm is not None:
-            clip = optax.clip_by_global_norm(self.max_grad_norm)
-            grads, _ = clip.update(grads, clip.init(grads))
+        grad_norm = optax.tree.norm(grads)  # before the optimizer's clipping
         opt_step = ts.optimizer.step[...]
         ts.optimizer.update(ts.model, grads)
         ts.step[...] += 1
         ts.policy_version[...] += 1
-        ts.next_rng()
 
         valid_rows = jnp.any(batch.loss_mask > 0, axis=-1)
         n_rows = jnp.maximum(jnp.sum(valid_rows), 1)
@@ -246,29 +242,28 @@ def make_train_step(
     objective_hp: Mapping[str, Any] | None = None,
     replay: bool = True,
     grad_accum: int = 1,
-    max_grad_norm: float | None = 1.0,
     temperature: float = 1.0,
     lr_schedule: optax.Schedule | None = None,
     normalize_adv_std: bool = True,
     donate: bool = True,
-) -> TrainStep:
+) -> _TrainStep:
     """Builds the jitted train step for ``graphdef, state = nnx.split(TrainState(...))``.
 
     Args:
       graphdef, state: the split ``TrainState``; ``state`` (concrete or abstract) fixes
-        the parameter / optimizer shardings via ``parallel.state_shardings``.
+        the parameter / optimizer shardings via ``parallel.state_shardings``. Gradient
+        clipping is part of the state's optimizer (``make_optimizer(max_grad_norm=...)``);
+        the logged ``grad_norm`` is the global norm before it.
       mesh: the device mesh (``parallel.make_mesh``).
       objective, objective_hp: ``satjax.objectives.make(objective, **objective_hp)``.
       replay: replay the batch's engine routes (R3) when it carries them.
       grad_accum: number of micro-batches (B must be divisible by it); exact.
-      max_grad_norm: global-norm clip applied before the optimizer (None: no clipping);
-        the logged ``grad_norm`` is the norm before clipping.
       temperature: sampling temperature of the behavior policy.
       lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
       normalize_adv_std: divide group-centred rewards by the group std.
       donate: donate the input state buffers to the output.
     """
-    return TrainStep(
+    return _TrainStep(
         graphdef,
         state,
         mesh=mesh,
@@ -276,7 +271,6 @@ def make_train_step(
         objective_hp=objective_hp,
         replay=replay,
         grad_accum=grad_accum,
-        max_grad_norm=max_grad_norm,
         temperature=temperature,
         lr_schedule=lr_schedule,
         normalize_adv_std=normalize_adv_std,

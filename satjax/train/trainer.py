@@ -16,8 +16,7 @@ from flax import nnx
 
 from satjax import parallel
 from satjax.config import Config
-from satjax.model import save_pretrained
-from satjax.rollout.builtin_engine import canary_logprobs
+from satjax.model import canary_logprobs, save_pretrained
 from satjax.run_dir import RunDirs
 from satjax.train.batch import make_batch
 from satjax.train.checkpoint import Checkpointer
@@ -57,12 +56,12 @@ class Trainer:
         self.mesh = parallel.make_mesh(t.mesh, devices[: t.mesh.size])
         schedule = optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps)) \
             if t.warmup_steps > 0 else optax.constant_schedule(t.learning_rate)
-        tx = make_optimizer(schedule, weight_decay=t.weight_decay)
-        self.graphdef, state = nnx.split(TrainState(model, tx, seed=cfg.seed))
+        tx = make_optimizer(schedule, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
+        self.graphdef, state = nnx.split(TrainState(model, tx))
         self.step_fn = make_train_step(
             self.graphdef, state, mesh=self.mesh, objective=cfg.objective.name,
             objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
-            max_grad_norm=t.max_grad_norm, temperature=max(cfg.rollout.temperature, 1e-6),
+            temperature=max(cfg.rollout.temperature, 1e-6),
             lr_schedule=schedule,
         )
         self.state = self.step_fn.place_state(state)

@@ -31,8 +31,8 @@ def _ids(cfg, b=3, t=10, seed=0):
 
 
 @nnx.jit
-def _fwd(model, ids, mask, routing):
-    return model(ids, attention_mask=mask, routing=routing)
+def _fwd(model, ids, mask, routed_experts):
+    return model(ids, attention_mask=mask, routed_experts=routed_experts)
 
 
 def test_config_layout_and_hf_roundtrip():
@@ -57,16 +57,17 @@ def test_shapes_dtypes_and_axis_names(cfg, model):
     assert out.logits.shape == (b, t, cfg.vocab_size) and out.logits.dtype == jnp.float32
     assert out.router_logits.shape == (b, t, n_moe, cfg.num_experts)
     assert out.router_logits.dtype == jnp.float32
-    assert out.selected_experts.shape == (b, t, n_moe, k)
-    assert out.selected_experts.dtype == jnp.int32
+    assert out.router_topk.shape == (b, t, n_moe, k)
+    assert out.router_topk.dtype == jnp.int32
     # top-k is in descending router-probability order
     top = jax.lax.top_k(out.router_logits, k)[1]
-    np.testing.assert_array_equal(out.selected_experts, top)
+    np.testing.assert_array_equal(out.router_topk, top)
     specs = jax.tree.leaves(nnx.get_partition_spec(nnx.state(model, nnx.Param)),
                             is_leaf=lambda x: isinstance(x, P))
     assert specs and all(set(s) <= ALLOWED_AXES for s in specs)
-    with pytest.raises(ValueError, match="routing"):
-        model(ids, routing=jnp.zeros((b, t, n_moe + 1, k), jnp.int32))
+    np.testing.assert_array_equal(out.experts_used, out.router_topk)  # no replay: what ran
+    with pytest.raises(ValueError, match="routed_experts"):
+        model(ids, routed_experts=jnp.zeros((b, t, n_moe + 1, k), jnp.int32))
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, attention_mask=jnp.ones((b, t + 1)))
 
@@ -75,7 +76,8 @@ def test_route_matches_hf_semantics():
     logits = jax.random.normal(jax.random.key(3), (20, 8)) * 2
     probs = np.asarray(jax.nn.softmax(logits))
     for norm in (True, False):
-        experts, weights, own = route(logits, 3, norm)
+        rec = route(logits, 3, norm)
+        experts, weights, own = rec.experts_used, rec.weights, rec.router_topk
         ref_idx = np.argsort(-probs, axis=-1)[:, :3]
         ref_w = np.take_along_axis(probs, ref_idx, -1)
         if norm:
@@ -84,7 +86,8 @@ def test_route_matches_hf_semantics():
         np.testing.assert_array_equal(own, ref_idx)
         np.testing.assert_allclose(weights, ref_w, rtol=1e-6)
         replay = jnp.asarray(np.roll(ref_idx, 1, axis=0))
-        experts, weights, own = route(logits, 3, norm, replay)
+        rec = route(logits, 3, norm, replay)
+        experts, weights, own = rec.experts_used, rec.weights, rec.router_topk
         np.testing.assert_array_equal(experts, replay)
         np.testing.assert_array_equal(own, ref_idx)
         ref_w = np.take_along_axis(probs, np.asarray(replay), -1)
@@ -99,7 +102,8 @@ def test_ragged_and_dense_dispatch_agree_with_loop_reference():
     x = jax.random.normal(keys[0], (n, d))
     wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in keys[1:3])
     wd = jax.random.normal(keys[3], (e, f, d))
-    experts, weights, _ = route(jax.random.normal(keys[4], (n, e)), k, True)
+    rec = route(jax.random.normal(keys[4], (n, e)), k, True)
+    experts, weights = rec.experts_used, rec.weights
     xn, wgn, wun, wdn = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
     ref = np.zeros((n, d))
     for i in range(n):  # independent per-token numpy reference
@@ -120,9 +124,10 @@ def test_replay_own_routes_is_exact(cfg, model, impl):
     ids = _ids(cfg)
     mask = jnp.ones(ids.shape, jnp.int32).at[0, :4].set(0)
     out = _fwd(model, ids, mask, None)
-    replay = _fwd(model, ids, mask, out.selected_experts)
+    replay = _fwd(model, ids, mask, out.router_topk)
     np.testing.assert_array_equal(replay.logits, out.logits)
-    np.testing.assert_array_equal(replay.selected_experts, out.selected_experts)
+    np.testing.assert_array_equal(replay.router_topk, out.router_topk)
+    np.testing.assert_array_equal(replay.experts_used, out.router_topk)
 
 
 def test_left_padding_matches_unpadded(cfg, model):
@@ -132,7 +137,7 @@ def test_left_padding_matches_unpadded(cfg, model):
     mask = jnp.ones_like(ids).at[:, :pad].set(0)
     a, b = _fwd(model, ids, None, None), _fwd(model, padded, mask, None)
     np.testing.assert_allclose(b.logits[:, pad:], a.logits[:, :-pad], atol=1e-5)
-    np.testing.assert_array_equal(b.selected_experts[:, pad:], a.selected_experts[:, :-pad])
+    np.testing.assert_array_equal(b.router_topk[:, pad:], a.router_topk[:, :-pad])
     assert np.isfinite(np.asarray(b.logits)).all()
 
 
@@ -140,8 +145,8 @@ _REFERENCE = {}
 
 
 def _loss_fn(graphdef):
-    def loss(state, ids, mask, routing):
-        out = nnx.merge(graphdef, state)(ids, attention_mask=mask, routing=routing)
+    def loss(state, ids, mask, routed_experts):
+        out = nnx.merge(graphdef, state)(ids, attention_mask=mask, routed_experts=routed_experts)
         return jnp.mean(jax.nn.log_softmax(out.logits)[..., 7]), out.logits
     return jax.value_and_grad(loss, has_aux=True)
 
@@ -167,7 +172,11 @@ def test_replay_other_routes_changes_output_and_trains_router():
     cfg, model, _, _, ids, mask, other, ((_, logits), grads) = _reference("blocked")
     own = _fwd(model, ids, mask, None)
     valid = np.asarray(mask, bool)
-    differs = np.any(np.sort(own.selected_experts, -1) != np.sort(other, -1), axis=(-1, -2))
+    differs = np.any(np.sort(own.router_topk, -1) != np.sort(other, -1), axis=(-1, -2))
+    replayed = _fwd(model, ids, mask, other)
+    np.testing.assert_array_equal(replayed.experts_used, other)  # what ran: the replay
+    # the first MoE layer's input does not depend on replay: its router's choice is unchanged
+    np.testing.assert_array_equal(replayed.router_topk[:, :, 0], own.router_topk[:, :, 0])
     assert differs[valid].mean() > 0.8
     # every position after the first differing token changes
     assert float(jnp.abs(logits - own.logits).max(axis=-1)[valid][1:].min()) > 1e-4
@@ -205,3 +214,25 @@ def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
         np.testing.assert_allclose(g_sh, g_ref, atol=1e-6)
     np.testing.assert_allclose(grad2["layers"][1]["mlp"]["gate"][...],
                                ref_grad["layers"][1]["mlp"]["gate"][...], atol=1e-6)
+
+
+def test_scan_layers_equals_unrolled():
+    """scan_layers=True computes the same outputs, replay and gradients as the unrolled loop."""
+    cfg = Qwen3MoeConfig.tiny(num_hidden_layers=3, initializer_range=0.1)
+    unrolled = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0))
+    scanned = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), scan_layers=True)
+    ids = _ids(cfg, b=2, t=9)
+    a, b = _fwd(unrolled, ids, None, None), _fwd(scanned, ids, None, None)
+    for name in ("logits", "router_logits", "router_topk", "experts_used"):
+        np.testing.assert_allclose(getattr(b, name), getattr(a, name), atol=1e-5, err_msg=name)
+    other = a.router_topk[..., ::-1]
+    a, b = _fwd(unrolled, ids, None, other), _fwd(scanned, ids, None, other)
+    np.testing.assert_allclose(b.logits, a.logits, atol=1e-5)
+    np.testing.assert_array_equal(b.experts_used, other)
+
+    def loss(m):
+        return m(ids).logits.mean()
+
+    for x, y in zip(jax.tree.leaves(nnx.grad(loss)(unrolled)),
+                    jax.tree.leaves(nnx.grad(loss)(scanned)), strict=True):
+        np.testing.assert_allclose(y, x, atol=1e-6)

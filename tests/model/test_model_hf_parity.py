@@ -85,7 +85,7 @@ def _compare(sj_model, hf_model, padded):
     valid = mask.astype(bool)
     err = np.abs(np.asarray(out.logits) - hf_logits)[valid].max()
     assert err <= ATOL, f"max abs logit error {err}"
-    np.testing.assert_array_equal(np.asarray(out.selected_experts)[valid], hf_experts[valid])
+    np.testing.assert_array_equal(np.asarray(out.router_topk)[valid], hf_experts[valid])
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -1,4 +1,9 @@
-"""Sampler tests: log-probs and routes equal a teacher-forced forward; greedy; stop tokens."""
+"""Sampler tests: log-probs and routes equal a teacher-forced forward; greedy; stop tokens.
+
+The sampler's padded arrays are cut into per-prompt records by the built-in engine's
+``completions``; the tests check those records (what a worker sends)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +12,9 @@ import pytest
 from flax import nnx
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from satjax.model.sampling import SamplingParams, generate, processed_logprobs
+from satjax.model.sampling import generate, processed_logprobs
+from satjax.rollout.builtin_engine import completions as to_completions
+from satjax.rollout.engine import SamplingParams
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24]]
 
@@ -19,13 +26,17 @@ def model():
     return Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0))
 
 
+def sample(model, prompts, params: SamplingParams, **kw):
+    return to_completions(prompts, generate(model, prompts, **dataclasses.asdict(params), **kw))
+
+
 @nnx.jit
 def _forward(model, ids, mask):
     return model(ids, attention_mask=mask)
 
 
 def _teacher_forced(model, completions):
-    """Right-padded full sequences -> (logits [B, T, V], selected experts [B, T, L, k])."""
+    """Right-padded full sequences -> (logits [B, T, V], router top-k [B, T, L, k])."""
     seqs = [np.concatenate([c.prompt_tokens, c.response_tokens]) for c in completions]
     t = 32
     ids = np.zeros((len(seqs), t), np.int32)
@@ -33,7 +44,7 @@ def _teacher_forced(model, completions):
     for i, s in enumerate(seqs):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
     out = _forward(model, jnp.asarray(ids), jnp.asarray(mask))
-    return np.asarray(out.logits), np.asarray(out.selected_experts)
+    return np.asarray(out.logits), np.asarray(out.router_topk)
 
 
 def _reference_processed(logits, temperature, top_k, top_p):
@@ -91,28 +102,28 @@ def _check_against_teacher(model, completions, params):
 
 def test_sampled_logprobs_and_routes_equal_teacher_forced(model):
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12)
-    completions = generate(model, PROMPTS, params, rng=jax.random.key(1))
+    completions = sample(model, PROMPTS, params, rng=jax.random.key(1))
     assert [len(c.prompt_tokens) for c in completions] == [3, 10, 5]
     assert all(len(c.response_tokens) == 12 and c.finish_reason == "length"
                for c in completions)
     _check_against_teacher(model, completions, params)
-    again = generate(model, PROMPTS, params, rng=jax.random.key(2))
+    again = sample(model, PROMPTS, params, rng=jax.random.key(2))
     assert any(not np.array_equal(a.response_tokens, b.response_tokens)
                for a, b in zip(completions, again, strict=True))
 
 
 def test_greedy_equals_argmax_and_stop_tokens(model):
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
-    completions = generate(model, PROMPTS, params, rng=jax.random.key(0))
+    completions = sample(model, PROMPTS, params, rng=jax.random.key(0))
     logits = _check_against_teacher(model, completions, params)
     for i, c in enumerate(completions):
         p, n = len(c.prompt_tokens), len(c.response_tokens)
         np.testing.assert_array_equal(c.response_tokens, logits[i, p - 1:p + n - 1].argmax(-1))
     # stop at the first occurrence of a token row 1 generates at step 3
     stop = int(completions[1].response_tokens[3])
-    stopped = generate(model, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10,
-                                                      stop_token_ids=(stop,)),
-                       rng=jax.random.key(0))
+    stopped = sample(model, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=10,
+                                                    stop_token_ids=(stop,)),
+                     rng=jax.random.key(0))
     for full, c in zip(completions, stopped, strict=True):
         hits = np.flatnonzero(full.response_tokens == stop)
         n = hits[0] + 1 if hits.size else 10
@@ -124,7 +135,7 @@ def test_greedy_equals_argmax_and_stop_tokens(model):
 
 def test_bf16_sampling_expert_flip_fraction(model):
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
-    bf16 = generate(model, PROMPTS, params, rng=jax.random.key(3), dtype=jnp.bfloat16)
+    bf16 = sample(model, PROMPTS, params, rng=jax.random.key(3), dtype=jnp.bfloat16)
     assert model.dtype == jnp.float32  # the override does not touch the model
     _, experts = _teacher_forced(model, bf16)
 
@@ -142,5 +153,5 @@ def test_bf16_sampling_expert_flip_fraction(model):
     print(f"\nbf16-sampler vs fp32-trainer expert-set flip fraction: {frac:.4f}")
     assert 0.0 <= frac <= 1.0
     # the fp32 sampler has no flips against the fp32 teacher-forced forward
-    fp32 = generate(model, PROMPTS, params, rng=jax.random.key(3))
+    fp32 = sample(model, PROMPTS, params, rng=jax.random.key(3))
     assert flip_fraction(fp32, _teacher_forced(model, fp32)[1]) == 0.0

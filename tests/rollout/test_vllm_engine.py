@@ -17,10 +17,9 @@ from flax import nnx
 
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.tasks import ArithmeticTask
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.sampling import SamplingParams
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, canary_logprobs, save_pretrained
 from satjax.model.tokenizer import CharTokenizer
-from satjax.rollout.builtin_engine import canary_logprobs
+from satjax.rollout.engine import SamplingParams
 from satjax.weight_sync import (
     WeightPublisher,
     WeightSubscriber,
@@ -56,7 +55,7 @@ def _teacher_forced(model, completions, temperature: float):
         ids[i, :len(s)], mask[i, :len(s)] = s, True
     out = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
     lp = np.asarray(jax.nn.log_softmax(out.logits / temperature, axis=-1))
-    experts = np.asarray(out.selected_experts)
+    experts = np.asarray(out.router_topk)
     refs = []
     for i, c in enumerate(completions):
         p, n = len(c.prompt_tokens), len(c.response_tokens)

@@ -8,12 +8,19 @@ from flax import nnx
 
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.tasks import ArithmeticTask
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.sampling import SamplingParams
+from satjax.model import (
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    canary_logprobs,
+    save_pretrained,
+    token_logprobs,
+)
+from satjax.model.logprobs import router_mismatch
 from satjax.model.tokenizer import CharTokenizer
 from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
-from satjax.rollout.builtin_engine import BuiltinEngine, canary_logprobs
+from satjax.rollout.builtin_engine import BuiltinEngine
+from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
 
@@ -104,7 +111,6 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
     replay the trainer applies exactly the engine's experts (flip rate 0)."""
     from satjax.train.batch import make_batch
-    from satjax.train.logprobs import token_logprobs
 
     tok = CharTokenizer()
     task = ArithmeticTask()
@@ -123,7 +129,10 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     batch = jax.tree.map(jnp.asarray, batch)
     metrics = {}
     for replay in (False, True):
-        lp, aux = token_logprobs(model, batch, replay=replay)
+        lp, out = token_logprobs(model, batch.tokens, batch.attention_mask,
+                                 routed_experts=batch.routed_experts if replay else None)
+        aux = router_mismatch(out.router_topk, out.experts_used, batch.routed_experts,
+                              batch.route_mask())
         log_ratio = (batch.behavior_logprobs - lp) * batch.loss_mask
         kl_k3 = float(jnp.sum((jnp.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask)
                       / jnp.sum(batch.loss_mask))
@@ -136,3 +145,15 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     assert on["router_mismatch_applied"] == 0.0  # replay: the trainer uses the engine's experts
     assert on["router_mismatch"] == off["router_mismatch"]  # the router itself is unchanged
     assert 0 < off["kl_k3"] < 0.1 and 0 <= on["kl_k3"] < 0.1
+
+
+def test_make_engine_builds_the_configured_engine():
+    from satjax.config import RolloutConfig
+    from satjax.rollout.factory import make_engine
+
+    tok = CharTokenizer()
+    engine = make_engine(RolloutConfig(engine="builtin", sample_dtype="float32"), tok)
+    assert isinstance(engine, BuiltinEngine)
+    assert engine.sample_dtype == jnp.float32 and engine.pad_id == tok.pad_id
+    with pytest.raises(ValueError, match="sample_dtype"):
+        make_engine(RolloutConfig(engine="builtin", sample_dtype="int8"), tok)

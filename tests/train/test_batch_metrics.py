@@ -47,8 +47,8 @@ def test_alignment_and_padding():
     assert b.attention_mask[0].tolist() == [1] * 7 + [0]
     assert b.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
     np.testing.assert_array_equal(b.behavior_logprobs[0, 3:7], a.behavior_logprobs)
-    np.testing.assert_array_equal(b.routes[0, :6], a.routed_experts)
-    assert not b.routes[0, 6:].any()  # last real position and padding zero-filled
+    np.testing.assert_array_equal(b.routed_experts[0, :6], a.routed_experts)
+    assert not b.routed_experts[0, 6:].any()  # last real position and padding zero-filled
     assert np.asarray(b.route_mask())[0].tolist() == [True] * 6 + [False] * 2
     # padding rows fully masked, version -1
     assert not b.attention_mask[4:].any() and not b.loss_mask[4:].any()
@@ -74,11 +74,11 @@ def test_errors_name_the_culprit():
         make_batch(ts[:1], buckets=(64,))
     mixed = [traj("x", "g", 2, 2), traj("y", "g", 2, 2, routes=False)]
     with pytest.raises(ValueError, match="'y' has no routed_experts"):
-        make_batch(mixed)
+        make_batch(mixed, buckets=(8,))
     bad = traj("z", "h", 2, 2)
     bad.routed_experts = bad.routed_experts[:-1]
     with pytest.raises(ValueError, match="'z': routed_experts shape"):
-        make_batch([bad, traj("w", "h", 2, 2)])
+        make_batch([bad, traj("w", "h", 2, 2)], buckets=(8,))
     assert pick_bucket(65, (64, 128)) == 128 and pick_bucket(129, (64, 128)) is None
 
 

@@ -4,30 +4,35 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from train_fixtures import cached_step, host, make_state, mesh_of, synthetic_batch
 
 from satjax import parallel
 from satjax.train.checkpoint import Checkpointer
 
-BATCHES = [synthetic_batch(100 + i, routes=True) for i in range(20)]
+
+@pytest.fixture(scope="module")
+def train(cached_step):
+    def run(state, batches):
+        step = cached_step((1, 1, 1, 1))
+        for b in batches:
+            state, _ = step(state, step.place_batch(b))
+        return state
+
+    return run
 
 
-def train(state, batches):
-    step = cached_step((1, 1, 1, 1))
-    for b in batches:
-        state, _ = step(state, step.place_batch(b))
-    return state
+@pytest.fixture
+def fresh_state(cached_step, make_state):
+    return lambda: cached_step((1, 1, 1, 1)).place_state(nnx.split(make_state(0))[1])
 
 
-def fresh_state():
-    return cached_step((1, 1, 1, 1)).place_state(nnx.split(make_state(0))[1])
+@pytest.fixture
+def abstract_state(make_state):
+    return lambda: nnx.split(nnx.eval_shape(lambda: make_state(0)))[1]
 
 
-def abstract_state():
-    return nnx.split(nnx.eval_shape(lambda: make_state(0)))[1]
-
-
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, train, fresh_state, abstract_state, host, mesh_of,
+                                 synthetic_batch):
+    BATCHES = [synthetic_batch(100 + i, routed=True) for i in range(20)]  # noqa: N806
     straight = host(train(fresh_state(), BATCHES))
 
     half = train(fresh_state(), BATCHES[:10])
@@ -46,7 +51,7 @@ def test_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_restore_onto_a_different_mesh(tmp_path):
+def test_restore_onto_a_different_mesh(tmp_path, make_state, mesh_of, abstract_state):
     src_mesh = mesh_of((8, 1, 1, 1))
     state = nnx.split(make_state(3))[1]
     state = jax.device_put(state, parallel.state_shardings(state, src_mesh))
@@ -69,7 +74,7 @@ def test_restore_onto_a_different_mesh(tmp_path):
     assert experts and all(x.sharding.spec[0] == "expert" for x in experts)
 
 
-def test_save_policy_and_retention(tmp_path):
+def test_save_policy_and_retention(tmp_path, make_state):
     state = nnx.split(make_state(0))[1]
     with Checkpointer(tmp_path, save_every=5, keep=2) as ckpt:
         saved = [s for s in range(1, 21) if ckpt.maybe_save(s, state)]
@@ -79,7 +84,7 @@ def test_save_policy_and_retention(tmp_path):
         assert ckpt.latest_step() == 20
 
 
-def test_restore_errors_and_arguments(tmp_path):
+def test_restore_errors_and_arguments(tmp_path, abstract_state):
     with pytest.raises(ValueError, match="save_every"):
         Checkpointer(tmp_path, save_every=0)
     with Checkpointer(tmp_path / "empty") as ckpt, pytest.raises(FileNotFoundError):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from train_fixtures import make_state, synthetic_batch, tiny_model
 
 from satjax import parallel
 from satjax.parallel import MeshConfig, logical_to_spec, make_mesh
+from satjax.train.step import make_train_step
 
 
 def test_mesh_config_validates_device_count():
@@ -63,11 +63,11 @@ def test_unknown_logical_name_raises():
         logical_to_spec(("heads",), (8,), mesh)
 
 
-def test_model_params_sharded_as_rules_say():
+def test_model_params_sharded_as_rules_say(tiny_model):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
     model = tiny_model()
     state = nnx.state(model)
-    placed = jax.device_put(state, parallel.param_shardings(state, mesh))
+    placed = jax.device_put(state, parallel.state_shardings(state, mesh))
     flat = dict(nnx.to_flat_state(placed))
     expert_like = [
         (path, v)
@@ -86,10 +86,10 @@ def test_model_params_sharded_as_rules_say():
             assert v.get_value().sharding.is_fully_replicated
 
 
-def test_optimizer_state_follows_params():
+def test_optimizer_state_follows_params(make_state):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
     ts = make_state()
-    sh = parallel.optimizer_shardings(ts.optimizer, mesh)
+    sh = parallel.state_shardings(nnx.state(ts.optimizer), mesh)
     specs = [
         v.get_value().spec
         for _, v in nnx.to_flat_state(sh)
@@ -98,12 +98,12 @@ def test_optimizer_state_follows_params():
     assert specs and all(s[0] == "expert" for s in specs)
 
 
-def test_batch_sharding_with_fallback():
+def test_batch_sharding_with_fallback(synthetic_batch):
     mesh = make_mesh(MeshConfig(2, 1, 4, 1))
-    batch = synthetic_batch(0, B=8, routes=True)
+    batch = synthetic_batch(0, B=8, routed=True)
     sh = parallel.batch_sharding(mesh, batch)
     assert sh.tokens.spec == P(("data", "expert"))
-    assert sh.routes.spec == P(("data", "expert"))
+    assert sh.routed_experts.spec == P(("data", "expert"))
     odd = synthetic_batch(0, B=6, group_size=2)
     sh_odd = parallel.batch_sharding(mesh, odd)
     assert sh_odd.tokens.spec == P("data")  # 6 % 8 != 0, 6 % 2 == 0
@@ -118,3 +118,16 @@ def test_init_distributed_passes_arguments():
     assert calls == [{"coordinator_address": "host0:1234", "num_processes": 2, "process_id": 1}]
     parallel.init_distributed(num_processes=1, initialize=lambda **kw: calls.append(kw))
     assert len(calls) == 1  # single process: no-op
+
+
+def test_sharded_step_compiles_without_full_rematerialization(capfd, make_state, mesh_of,
+                                                              synthetic_batch):
+    """Activation constraints at layer boundaries keep GSPMD from resharding whole tensors
+    through a replicated copy on the full (data, fsdp, expert, tensor) = (1, 2, 2, 2) mesh."""
+    graphdef, state = nnx.split(make_state(0))
+    step = make_train_step(graphdef, state, mesh=mesh_of((1, 2, 2, 2)), donate=False)
+    state = step.place_state(state)
+    capfd.readouterr()
+    step.lower(state, step.place_batch(synthetic_batch(0, routed=True))).compile()
+    err = capfd.readouterr().err
+    assert "Involuntary full rematerialization" not in err

@@ -4,23 +4,15 @@ Compiled steps are cached per (mesh, options) and reused with fresh states, to k
 number of XLA compilations (the cost of this file) small.
 """
 
-import functools
-
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
-from train_fixtures import (
-    cached_step,
-    host,
-    make_state,
-    run_steps,
-    single_device_mesh,
-    synthetic_batch,
-)
 
 from satjax import objectives
-from satjax.train.logprobs import token_logprobs
+from satjax.model import token_logprobs
+from satjax.train.state import make_optimizer
 from satjax.train.step import batch_advantages, make_train_step
 
 RTOL = 1e-5
@@ -32,31 +24,48 @@ def assert_trees_close(a, b, rtol=RTOL, atol=ATOL):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-@functools.cache
-def jitted_forward(replay=False):
-    """Initial model's token_logprobs, outside the train step (an independent path)."""
+@pytest.fixture(scope="module")
+def forward(make_state):
+    """Initial model's token_logprobs (no replay), outside the train step (an independent
+    path): batch -> (log-probs [B, T], ModelOutput)."""
     graphdef, state = nnx.split(make_state(0).model)
 
     @jax.jit
     def fwd(batch):
-        return token_logprobs(nnx.merge(graphdef, state), batch, replay=replay)
+        return token_logprobs(nnx.merge(graphdef, state), batch.tokens, batch.attention_mask)
 
     return fwd
 
 
-BATCHES = [synthetic_batch(i, routes=True) for i in range(2)]
+@pytest.fixture(scope="module")
+def batches(synthetic_batch):
+    return [synthetic_batch(i, routed=True) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(run_steps, batches):
     """Single-device run, replay on, foreign (random) engine routes."""
-    return run_steps(BATCHES)
+    return run_steps(batches)
+
+
+@pytest.fixture(scope="module")
+def reference_objective(forward):
+    def ref(name, batch):
+        lp, _ = forward(batch)
+        obj_batch = {
+            "behavior_logprobs": batch.behavior_logprobs,
+            "advantages": batch_advantages(batch),
+            "mask": batch.loss_mask,
+        }
+        return objectives.make(name)(lp, obj_batch)
+
+    return ref
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
-def test_sharded_step_matches_single_device(reference, shape):
+def test_sharded_step_matches_single_device(reference, shape, run_steps, cached_step, batches):
     ref_state, ref_metrics = reference
-    state, metrics = run_steps(BATCHES, shape)
+    state, metrics = run_steps(batches, shape)
     for m, r in zip(metrics, ref_metrics, strict=True):
         np.testing.assert_allclose(m["loss"], r["loss"], rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=RTOL)
@@ -66,37 +75,36 @@ def test_sharded_step_matches_single_device(reference, shape):
     assert cached_step(shape).num_compilations == 1
 
 
-def test_step_updates_params_and_reports_metrics(reference):
+def test_step_updates_params_and_reports_metrics(reference, make_state, host, batches):
     ref_state, ref_metrics = reference
     init = host(nnx.state(make_state(0)))
     for a, b in zip(
         jax.tree.leaves(init["model"]), jax.tree.leaves(ref_state["model"]), strict=True
     ):
         assert not np.allclose(a, b)
-    assert not np.array_equal(init["rng"], ref_state["rng"])
     m = ref_metrics[0]
     for key in ("loss", "grad_norm", "tokens", "router_mismatch", "sat_tail_frac"):
         assert key in m and np.isfinite(m[key]), key
-    assert m["tokens"] == float(np.sum(BATCHES[0].loss_mask))
+    assert m["tokens"] == float(np.sum(batches[0].loss_mask))
     assert m["router_mismatch_applied"] == 0.0  # replay on: experts used == engine routes
     assert 0.5 < m["router_mismatch"] <= 1.0  # random engine routes differ from the router
     np.testing.assert_allclose([x["learning_rate"] for x in ref_metrics], [0.1, 0.05])
 
 
-def test_grad_accumulation_equals_full_batch(reference):
+def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
     ref_state, ref_metrics = reference
-    acc, acc_metrics = run_steps(BATCHES, grad_accum=2)
+    acc, acc_metrics = run_steps(batches, grad_accum=2)
     for a, b in zip(acc_metrics, ref_metrics, strict=True):
         for key in ("loss", "grad_norm", "router_mismatch", "sat_tail_frac"):
             np.testing.assert_allclose(a[key], b[key], rtol=RTOL, atol=ATOL, err_msg=key)
     assert_trees_close(acc["model"], ref_state["model"])
 
 
-def test_replay_with_own_routes_equals_no_replay():
-    batch = BATCHES[0]
-    _, aux = jitted_forward()(batch)
-    own = np.asarray(aux["selected_experts"]) * np.asarray(batch.route_mask())[..., None, None]
-    own_batch = batch.replace(routes=own.astype(np.int32))
+def test_replay_with_own_routes_equals_no_replay(forward, run_steps, batches):
+    batch = batches[0]
+    _, out = forward(batch)
+    own = np.asarray(out.router_topk) * np.asarray(batch.route_mask())[..., None, None]
+    own_batch = batch.replace(routed_experts=own.astype(np.int32))
     on, m_on = run_steps([own_batch])  # same compiled step as the reference
     off, m_off = run_steps([own_batch], replay=False)
     np.testing.assert_allclose(m_on[0]["loss"], m_off[0]["loss"], rtol=RTOL, atol=ATOL)
@@ -104,62 +112,70 @@ def test_replay_with_own_routes_equals_no_replay():
     assert_trees_close(on["model"], off["model"])
 
 
-def test_replay_matters_for_foreign_routes(reference):
+def test_replay_matters_for_foreign_routes(reference, run_steps, batches, reference_objective):
     _, m_on = reference
-    _, m_off = run_steps(BATCHES[:1], replay=False)
+    _, m_off = run_steps(batches[:1], replay=False)
     assert m_off[0]["router_mismatch_applied"] > 0.5
     assert m_on[0]["router_mismatch_applied"] == 0.0
     # the step's loss == the objective on independently computed log-probs (no replay)
-    ref_loss, ref_aux = reference_objective("sat_gspo", BATCHES[0])
+    ref_loss, ref_aux = reference_objective("sat_gspo", batches[0])
     np.testing.assert_allclose(m_off[0]["loss"], ref_loss, rtol=RTOL, atol=ATOL)
     assert set(ref_aux) <= set(m_off[0])
     assert not np.isclose(m_on[0]["loss"], m_off[0]["loss"], rtol=1e-6, atol=0)
 
 
-def reference_objective(name, batch):
-    lp, _ = jitted_forward()(batch)
-    obj_batch = {
-        "behavior_logprobs": batch.behavior_logprobs,
-        "advantages": batch_advantages(batch),
-        "mask": batch.loss_mask,
-    }
-    return objectives.make(name)(lp, obj_batch)
-
-
 @pytest.mark.parametrize("name", sorted(objectives.DEFAULTS))
-def test_every_objective_traces_in_the_step(name):
+def test_every_objective_traces_in_the_step(name, make_state, mesh_of, batches):
     # Tracing + lowering checks the wiring of every objective without an XLA compile each
     # (sat_gspo and ppo_clip are also executed end to end in this file, and their loss
     # is checked against the objective applied to independently computed log-probs).
     graphdef, state = nnx.split(make_state(0))
-    step = make_train_step(graphdef, state, mesh=single_device_mesh(), objective=name)
-    lowered = step.lower(state, BATCHES[0])
+    step = make_train_step(graphdef, state, mesh=mesh_of((1, 1, 1, 1)),
+                           objective=name)
+    lowered = step.lower(state, batches[0])
     assert "loss" in lowered.out_info[1]
     assert step.num_compilations == 1
 
 
-def test_precomputed_advantages_and_compile_counter():
+def test_precomputed_advantages_and_compile_counter(
+    cached_step, run_steps, make_state, synthetic_batch, batches, reference_objective
+):
     adv = np.linspace(-1, 1, 8).astype(np.float32)
-    b0 = BATCHES[0].replace(advantages=adv)
+    b0 = batches[0].replace(advantages=adv)
     step = cached_step((1, 1, 1, 1), objective="ppo_clip", replay=False)
-    _, m = run_steps([b0, BATCHES[1].replace(advantages=adv)], objective="ppo_clip", replay=False)
+    _, m = run_steps([b0, batches[1].replace(advantages=adv)], objective="ppo_clip", replay=False)
     np.testing.assert_allclose(m[0]["advantage_abs_mean"], np.mean(np.abs(adv)), rtol=1e-6)
     ref_loss, _ = reference_objective("ppo_clip", b0)
     np.testing.assert_allclose(m[0]["loss"], ref_loss, rtol=RTOL, atol=ATOL)
     assert step.num_compilations == 1  # same shape twice: one trace
     # a new bucket length traces again (lowering only: the trace is what is counted)
-    b_long = synthetic_batch(5, T=32, routes=True).replace(advantages=adv)
+    b_long = synthetic_batch(5, T=32, routed=True).replace(advantages=adv)
     step.lower(nnx.split(make_state(0))[1], b_long)
     assert step.num_compilations == 2
     assert step.traced_shapes == [(8, 16), (8, 32)]
 
 
-def test_bad_arguments():
+def test_bad_arguments(make_state, mesh_of):
     graphdef, state = nnx.split(make_state(0))
-    mesh = single_device_mesh()
+    mesh = mesh_of((1, 1, 1, 1))
     with pytest.raises(ValueError, match="grad_accum"):
         make_train_step(graphdef, state, mesh=mesh, grad_accum=0)
     with pytest.raises(ValueError, match="max_grad_norm"):
-        make_train_step(graphdef, state, mesh=mesh, max_grad_norm=-1.0)
+        make_optimizer(0.1, max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="nope"):
         make_train_step(graphdef, state, mesh=mesh, objective="nope")
+
+
+def test_optimizer_clips_by_global_norm():
+    """The clip is the chain's first link: AdamW sees the clipped gradient (eps=1 makes
+    Adam's update depend on the gradient's scale, so clipping is visible in it)."""
+    params = {"w": np.zeros(2, np.float32)}
+    grads = {"w": np.asarray([3.0, 4.0], np.float32)}  # global norm 5
+    clipped = make_optimizer(1.0, max_grad_norm=0.5, eps=1.0)
+    unclipped = make_optimizer(1.0, max_grad_norm=None, eps=1.0)
+    reference = optax.adamw(1.0, eps=1.0)
+    up_c, _ = clipped.update(grads, clipped.init(params), params)
+    up_u, _ = unclipped.update(grads, unclipped.init(params), params)
+    up_r, _ = reference.update({"w": grads["w"] * 0.1}, reference.init(params), params)
+    np.testing.assert_allclose(up_c["w"], up_r["w"], rtol=1e-6)
+    assert not np.allclose(up_c["w"], up_u["w"])
