@@ -1,6 +1,6 @@
 """satjax: asynchronous RL for MoE language models with SAT and routing replay (R3).
 
-The data path is one-way (see DESIGN.md): prompts -> rollout worker -> gRPC queue ->
+The data path is one-way (README, "Where things are"): prompts -> rollout worker -> gRPC queue ->
 trainer (``satjax.losses`` / ``satjax.objectives``) -> weight sync -> checkpoint.
 """
 
