@@ -9,7 +9,8 @@ from satjax.losses._checks import check_choice
 
 Array = jax.Array
 
-QUANTILE_METHODS = ("auto", "sort", "bisect")
+QUANTILE_METHODS = ("auto", "sort", "bisect", "radix")
+_DIGIT = 16  # radix-select digit width: two 65536-bin histograms cover a 32-bit key
 
 
 def masked_mean(x: Array, valid: Array) -> Array:
@@ -65,6 +66,43 @@ def _kth_smallest(keys: Array, k: Array) -> Array:
     return lo
 
 
+def _rank_in_histogram(hist: Array, rank: Array) -> tuple[Array, Array]:
+    """(bin holding the 0-based ``rank``, number of entries in the bins before it).
+
+    Two-level prefix sums (sqrt(bins) coarse bins, then the fine bins of one), so no
+    full-length cumsum (slow on XLA:CPU).
+    """
+    side = 1 << (_DIGIT // 2)
+    coarse = jnp.sum(hist.reshape(side, side), axis=1)
+    c_cum = jnp.cumsum(coarse)
+    cb = jnp.sum((c_cum <= rank).astype(jnp.int32))
+    fine = jax.lax.dynamic_slice(hist, (cb * side,), (side,))
+    f_cum = c_cum[cb] - coarse[cb] + jnp.cumsum(fine)
+    fb = jnp.sum((f_cum <= rank).astype(jnp.int32))
+    return cb * side + fb, f_cum[fb] - fine[fb]
+
+
+@jax.jit
+def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
+    """Exact k-th smallest (0-based) of int32 keys by radix select: a histogram of the
+    high 16 bits finds the bucket holding rank k, a histogram of the low 16 bits of that
+    bucket's entries finds the key. Two scatter-add passes instead of 32 counting passes.
+
+    Returns (the key, the number of keys <= it).
+    """
+    u = jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(1 << 31)  # order kept
+    nbins = 1 << _DIGIT
+    high = (u >> _DIGIT).astype(jnp.int32)
+    low = (u & jnp.uint32(nbins - 1)).astype(jnp.int32)
+    hist_hi = jnp.zeros(nbins, jnp.int32).at[high].add(1)
+    b, before_b = _rank_in_histogram(hist_hi, k)
+    hist_lo = jnp.zeros(nbins, jnp.int32).at[low].add((high == b).astype(jnp.int32))
+    lb, before_l = _rank_in_histogram(hist_lo, k - before_b)
+    key_u = (b.astype(jnp.uint32) << _DIGIT) | lb.astype(jnp.uint32)
+    key = jax.lax.bitcast_convert_type(key_u ^ jnp.uint32(1 << 31), jnp.int32)
+    return key, before_b + before_l + hist_lo[lb]
+
+
 def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
                     method: str = "auto") -> Array:
     """Quantile of the valid entries of ``x`` with numpy's default linear interpolation.
@@ -78,10 +116,12 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
       q: quantile level in [0, 1].
       mask: 0/1 or bool array of ``x``'s shape; ``None`` means every entry is valid.
       method: "sort" (invalid entries pushed to +inf, the valid count indexes the sorted
-        array), "bisect" (exact order statistics by bisection on the float bit pattern), or
-        "auto": bisect on the CPU backend (measured 3x faster than XLA's CPU sort at 256
-        entries, ~50x at 262k), sort on accelerators (fast device sorts; not measured
-        here). All are exact.
+        array), "bisect" (exact order statistics by bisection on the float bit pattern:
+        32 counting passes), "radix" (radix select on the bit pattern: two scatter-add
+        histogram passes; float32 only, float64 uses "bisect"), or "auto": radix on the
+        CPU backend (262k entries: ~1.3 ms against 5 ms for bisect and 135 ms for XLA's
+        CPU sort), sort on accelerators (fast device sorts; not measured here). All are
+        exact and agree bit for bit.
 
     Returns:
       scalar of ``x``'s (float) dtype; 0 when there is no valid entry.
@@ -109,15 +149,21 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     frac = pos - i0.astype(dt)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
     if method == "auto":
-        method = "bisect" if jax.default_backend() == "cpu" else "sort"
+        method = "radix" if jax.default_backend() == "cpu" else "sort"
+    if method == "radix" and dt != jnp.float32:
+        method = "bisect"
     if method == "sort":
         srt = jnp.sort(filled)
         v0, v1 = srt[i0], srt[i1]
     else:
         keys = _order_key(filled)
-        k0 = _kth_smallest(keys, i0)
+        if method == "radix":
+            k0, n_le = _kth_smallest_radix(keys, i0)
+        else:
+            k0 = _kth_smallest(keys, i0)
+            n_le = jnp.sum((keys <= k0).astype(jnp.int32))
         # The next order statistic is k0 again if it repeats, else the smallest larger one.
-        repeats = jnp.sum((keys <= k0).astype(jnp.int32)) >= i1 + 1
+        repeats = n_le >= i1 + 1
         nxt = jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max))
         v0 = _from_order_key(k0, dt)
         v1 = _from_order_key(jnp.where(repeats, k0, nxt), dt)
