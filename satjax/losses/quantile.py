@@ -84,11 +84,11 @@ def _rank_in_histogram(hist: Array, rank: Array) -> tuple[Array, Array]:
 
 @jax.jit
 def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
-    """Exact k-th smallest (0-based) of int32 keys by radix select: a histogram of the
-    high 16 bits finds the bucket holding rank k, a histogram of the low 16 bits of that
-    bucket's entries finds the key. Two scatter-add passes instead of 32 counting passes.
+    """Exact k-th and (k+1)-th smallest (0-based) of int32 keys by radix select.
 
-    Returns (the key, the number of keys <= it).
+    A histogram of the high 16 bits finds the bucket ``b`` holding rank k; one histogram
+    of the low 16 bits of the entries of ``b`` and of the next non-empty bucket finds both
+    keys. Two scatter-add passes instead of bisection's 32 counting passes.
     """
     u = jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(1 << 31)  # order kept
     nbins = 1 << _DIGIT
@@ -96,11 +96,28 @@ def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
     low = (u & jnp.uint32(nbins - 1)).astype(jnp.int32)
     hist_hi = jnp.zeros(nbins, jnp.int32).at[high].add(1)
     b, before_b = _rank_in_histogram(hist_hi, k)
-    hist_lo = jnp.zeros(nbins, jnp.int32).at[low].add((high == b).astype(jnp.int32))
-    lb, before_l = _rank_in_histogram(hist_lo, k - before_b)
-    key_u = (b.astype(jnp.uint32) << _DIGIT) | lb.astype(jnp.uint32)
-    key = jax.lax.bitcast_convert_type(key_u ^ jnp.uint32(1 << 31), jnp.int32)
-    return key, before_b + before_l + hist_lo[lb]
+    bins = jnp.arange(nbins)
+    b_next = jnp.min(jnp.where((bins > b) & (hist_hi > 0), bins, nbins))  # nbins: none
+    # Row 0: the low digits of bucket b's entries; row 1: those of bucket b_next's.
+    in_b, in_next = high == b, high == b_next
+    hist_lo = jnp.zeros(2 * nbins, jnp.int32).at[low + nbins * in_next].add(
+        (in_b | in_next).astype(jnp.int32)).reshape(2, nbins)
+    lb, before_l = _rank_in_histogram(hist_lo[0], k - before_b)
+    n_le = before_b + before_l + hist_lo[0, lb]  # entries <= the k-th smallest
+    # The (k+1)-th: the same key if it repeats, else the next low digit in b, else the
+    # smallest low digit of b_next.
+    lb_next = jnp.min(jnp.where((bins > lb) & (hist_lo[0] > 0), bins, nbins))
+    lb_after = jnp.min(jnp.where(hist_lo[1] > 0, bins, nbins))
+    same_b = lb_next < nbins
+    b1 = jnp.where(n_le >= k + 2, b, jnp.where(same_b, b, b_next))
+    l1 = jnp.where(n_le >= k + 2, lb, jnp.where(same_b, lb_next, lb_after))
+
+    def to_key(hi: Array, lo: Array) -> Array:
+        key_u = (hi.astype(jnp.uint32) << _DIGIT) | lo.astype(jnp.uint32)
+        return jax.lax.bitcast_convert_type(key_u ^ jnp.uint32(1 << 31), jnp.int32)
+
+    # Past the last entry (k + 1 == n) b_next is nbins; that key is unused (i1 clips to k).
+    return to_key(b, lb), to_key(jnp.minimum(b1, nbins - 1), jnp.minimum(l1, nbins - 1))
 
 
 def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
@@ -158,14 +175,15 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     else:
         keys = _order_key(filled)
         if method == "radix":
-            k0, n_le = _kth_smallest_radix(keys, i0)
+            k0, k1 = _kth_smallest_radix(keys, i0)
+            k1 = jnp.where(i1 > i0, k1, k0)
         else:
             k0 = _kth_smallest(keys, i0)
-            n_le = jnp.sum((keys <= k0).astype(jnp.int32))
-        # The next order statistic is k0 again if it repeats, else the smallest larger one.
-        repeats = n_le >= i1 + 1
-        nxt = jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max))
+            # The next order statistic is k0 again if it repeats, else the next larger.
+            repeats = jnp.sum((keys <= k0).astype(jnp.int32)) >= i1 + 1
+            k1 = jnp.where(repeats, k0,
+                           jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max)))
         v0 = _from_order_key(k0, dt)
-        v1 = _from_order_key(jnp.where(repeats, k0, nxt), dt)
+        v1 = _from_order_key(k1, dt)
     val = v0 + (v1 - v0) * frac
     return jnp.where(n > 0, val, jnp.zeros((), dt))
