@@ -11,6 +11,9 @@ Array = jax.Array
 
 QUANTILE_METHODS = ("auto", "sort", "bisect", "radix")
 _DIGIT = 16  # radix-select digit width: two 65536-bin histograms cover a 32-bit key
+# "auto" on CPU: below this many entries bisection is faster (measured on XLA:CPU: 16k
+# entries 0.23 ms bisect vs 0.45 ms radix, 65k entries 1.1 ms vs 0.84 ms).
+_RADIX_MIN_SIZE = 1 << 15
 
 
 def masked_mean(x: Array, valid: Array) -> Array:
@@ -94,14 +97,15 @@ def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
     nbins = 1 << _DIGIT
     high = (u >> _DIGIT).astype(jnp.int32)
     low = (u & jnp.uint32(nbins - 1)).astype(jnp.int32)
-    hist_hi = jnp.zeros(nbins, jnp.int32).at[high].add(1)
+    # Digits are < nbins by construction, so the scatters may skip bounds handling.
+    hist_hi = jnp.zeros(nbins, jnp.int32).at[high].add(1, mode="promise_in_bounds")
     b, before_b = _rank_in_histogram(hist_hi, k)
     bins = jnp.arange(nbins)
     b_next = jnp.min(jnp.where((bins > b) & (hist_hi > 0), bins, nbins))  # nbins: none
     # Row 0: the low digits of bucket b's entries; row 1: those of bucket b_next's.
     in_b, in_next = high == b, high == b_next
     hist_lo = jnp.zeros(2 * nbins, jnp.int32).at[low + nbins * in_next].add(
-        (in_b | in_next).astype(jnp.int32)).reshape(2, nbins)
+        (in_b | in_next).astype(jnp.int32), mode="promise_in_bounds").reshape(2, nbins)
     lb, before_l = _rank_in_histogram(hist_lo[0], k - before_b)
     n_le = before_b + before_l + hist_lo[0, lb]  # entries <= the k-th smallest
     # The (k+1)-th: the same key if it repeats, else the next low digit in b, else the
@@ -166,7 +170,10 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     frac = pos - i0.astype(dt)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
     if method == "auto":
-        method = "radix" if jax.default_backend() == "cpu" else "sort"
+        if jax.default_backend() != "cpu":
+            method = "sort"
+        else:
+            method = "radix" if flat.size >= _RADIX_MIN_SIZE else "bisect"
     if method == "radix" and dt != jnp.float32:
         method = "bisect"
     if method == "sort":
