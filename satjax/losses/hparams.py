@@ -64,7 +64,7 @@ RANGES: dict[str, dict[str, Any]] = {
 }
 # Numeric hyperparameters whose ``None`` means "off".
 OPTIONAL: frozenset[str] = frozenset({"low_threshold", "is_threshold_low", "clip_ratio_c"})
-INTEGERS: frozenset[str] = frozenset({"ddof"})  # static: they change array shapes/counts
+INTEGERS: frozenset[str] = frozenset({"ddof"})  # used in Python arithmetic, never traced
 FLAGS: frozenset[str] = frozenset({"normalize_std"})
 
 
