@@ -1,14 +1,17 @@
 """Overhead of SAT over plain GSPO: jitted loss + gradient on one batch, side by side.
 
 Run: PYTHONPATH=$PWD python benchmarks/bench_losses.py [--batch 256 --length 1024]
-Prints the median time of each variant (interleaved repeats) and its ratio to GSPO.
-Target: SAT-GSPO (sequence proxy) within 5% of GSPO.
+Prints the jax version, the median time of each variant (interleaved repeats), its ratio to
+its base loss (GSPO, or PPO-clip for sat_ppo), the target ratio and whether it is met.
+Targets: SAT-GSPO with the sequence proxy <= 1.05x GSPO; token-level SAT (sat_ppo, and
+sat_gspo with the token proxy) <= 1.3x its base.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import time
@@ -28,6 +31,11 @@ from satjax import losses
 EPS = {"eps_low": losses.GspoHParams.eps_low, "eps_high": losses.GspoHParams.eps_high}
 TOK_EPS = {"eps_low": losses.PpoClipHParams.eps_low,
            "eps_high": losses.PpoClipHParams.eps_high}
+
+
+# Target ratio to the base loss, by variant (token-level SAT is the paper's SAT-GRPO).
+TARGETS = {"sat_gspo[hill,seq]": 1.05, "sat_gspo[gauss,seq]": 1.05,
+           "sat_gspo[hill,token]": 1.3, "sat_gspo[gauss,token]": 1.3, "sat_ppo[hill]": 1.3}
 
 
 def make_batch(b: int, t: int, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -82,14 +90,20 @@ def main() -> None:
             times[name].append((time.perf_counter() - t0) / args.inner)
     med = {k: statistics.median(v) for k, v in times.items()}
     threads = "multi" if args.multi_thread else "single"
+    print(f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, numpy {np.__version__}, "
+          f"python {platform.python_version()}, {os.cpu_count()} CPUs")
     print(f"B={args.batch} T={args.length} float32, backend={jax.default_backend()} "
           f"({threads}-threaded), "
           f"median of {args.repeats}x{args.inner} interleaved calls (loss + grad, jitted)")
     for name, m in med.items():
-        base = med["ppo_clip"] if name.startswith("sat_ppo") else med["gspo"]
         ref = "ppo_clip" if name.startswith("sat_ppo") else "gspo"
-        print(f"  {name:24s} {m * 1e3:8.3f} ms   ratio vs {ref}: {m / base:6.3f} "
-              f"(overhead {100 * (m / base - 1):+6.1f}%)")
+        base = med[ref]
+        line = f"  {name:24s} {m * 1e3:8.3f} ms"
+        if name in TARGETS:
+            ok = "met" if m / base <= TARGETS[name] else "NOT met"
+            line += (f"   vs {ref} {base * 1e3:8.3f} ms: ratio {m / base:6.3f}, "
+                     f"target <= {TARGETS[name]:.2f}: {ok}")
+        print(line)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,22 @@ Usage with Optax (three lines)::
 
 ``batch`` is a mapping with ``"behavior_logprobs"`` [B, T], ``"advantages"`` [B],
 ``"mask"`` [B, T] and optionally ``"old_logprobs"`` [B, T]. Every objective accepts
-``is_correction`` (None | "tis" | "mis"), ``is_threshold`` and ``is_level``
-("token" | "sequence") to correct the rollout/trainer mismatch: the IS ratio is
-``batch["old_logprobs"]`` (when present, else the detached current log-probs) over the
-behaviour log-probs. ``aux`` holds :data:`satjax.losses.AUX_KEYS` plus ``is_weight_mean``
-and ``is_kept_frac`` (1.0 without correction).
+``is_correction`` (None | "tis" | "mis"), ``is_threshold``, ``is_threshold_low`` (MIS only)
+and ``is_level`` ("token" | "sequence") to correct the rollout/trainer mismatch:
+
+* "tis" is for decoupled objectives only: the clipped ratio is taken against the proximal
+  policy ``batch["old_logprobs"]`` and each term is weighted by
+  ``min(pi_prox / mu, is_threshold)``. Without ``old_logprobs`` the clipped ratio is
+  already ``pi / mu``, and a TIS weight would count the mismatch twice, so the objective
+  raises ValueError.
+* "mis" keeps a term only where ``is_threshold_low <= pi_prox / mu <= is_threshold``
+  (``pi_prox`` = ``old_logprobs``, else the detached current log-probs). Without
+  ``old_logprobs`` this is a hard trust region on the very ratio the surrogate clips: a 0/1
+  mask rescales nothing, so nothing is counted twice; it only drops the terms whose ratio
+  left the band, including those on the side the clip does not bind.
+
+``aux`` holds :data:`satjax.losses.AUX_KEYS` plus ``is_weight_mean`` and ``is_kept_frac``
+(1.0 without correction).
 
 Hyperparameters, their defaults and ranges are the dataclasses of
 :mod:`satjax.losses.hparams`; :func:`hparams` validates a name and a mapping up front::
@@ -125,11 +136,20 @@ def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /,
         mask = _batch_get(batch, "mask")
         old = batch.get("old_logprobs")
         weights = None
-        if correction is not None:
-            trainer_lp = old if old is not None else jax.lax.stop_gradient(logprobs)
-            is_fn = losses.tis_weights if correction == "tis" else losses.mis_mask
-            weights = is_fn(trainer_lp, mu, threshold=cfg.is_threshold, mask=mask,
-                            level=cfg.is_level)
+        if correction == "tis":
+            if old is None:
+                raise ValueError(
+                    "batch: must have 'old_logprobs' (the proximal policy) with "
+                    "is_correction='tis', got keys "
+                    f"{sorted(batch)}; without it the clipped ratio is already pi/mu and "
+                    "a TIS weight would count the mismatch twice (use 'mis' or None)")
+            weights = losses.tis_weights(old, mu, threshold=cfg.is_threshold, mask=mask,
+                                         level=cfg.is_level)
+        elif correction == "mis":
+            prox = old if old is not None else jax.lax.stop_gradient(logprobs)
+            weights = losses.mis_mask(prox, mu, threshold=cfg.is_threshold, mask=mask,
+                                      level=cfg.is_level,
+                                      low_threshold=cfg.is_threshold_low)
         loss, aux = loss_fn(logprobs, mu, adv, mask, old_logprobs=old,
                             token_weights=weights, **loss_kw)
         one = jnp.ones((), loss.dtype)

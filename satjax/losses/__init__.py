@@ -10,8 +10,9 @@ One module per family, everything re-exported here (``satjax.losses.X``):
 * :mod:`~satjax.losses.advantages`: ``group_advantages``;
 * :mod:`~satjax.losses.quantile`: ``masked_quantile``, ``masked_mean``;
 * :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
-  objective (``SatGspoHParams``, ...), the choice tuples ``KERNELS``, ``SCALES``,
-  ``PROXIES``, ``IS_LEVELS``.
+  objective (``SatGspoHParams``, ...) and for ``group_advantages``
+  (``GroupAdvantageHParams``), the choice tuples ``KERNELS``, ``SCALES``, ``PROXIES``,
+  ``IS_LEVELS``.
 
 :mod:`satjax.objectives` wraps the losses as named objectives ``fn(logprobs, batch)``.
 """
@@ -24,6 +25,7 @@ from satjax.losses.hparams import (
     KERNELS,
     PROXIES,
     SCALES,
+    GroupAdvantageHParams,
     GrpoHParams,
     GspoHParams,
     GspoTokenHParams,
@@ -50,7 +52,8 @@ from satjax.losses.sat import sat_interval
 
 __all__ = [
     "AUX_KEYS", "IS_CORRECTIONS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
-    "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
+    "GroupAdvantageHParams", "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams",
+    "PpoClipHParams",
     "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
     "clipped_surrogate", "group_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss",

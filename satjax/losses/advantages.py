@@ -7,18 +7,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from satjax.losses._checks import check_finite_where_valid, compute_dtype
-from satjax.losses.hparams import check_hparams
+from satjax.losses.hparams import GroupAdvantageHParams, check_hparams
 
 Array = jax.Array
 
 
-def group_advantages(rewards: Array, group_size: int, *, normalize_std: bool = True,
-                     eps: float = 1e-6) -> Array:
+def group_advantages(rewards: Array, group_size: int, *,
+                     normalize_std: bool = GroupAdvantageHParams.normalize_std,
+                     ddof: int = GroupAdvantageHParams.ddof,
+                     eps: float = GroupAdvantageHParams.eps) -> Array:
     """GRPO group-relative advantages, float [B] from rewards [B].
 
     Consecutive blocks of ``group_size`` rows are one prompt's group:
-    ``A = r - mean_group(r)``, divided by ``std_group(r) + eps`` (population std, ddof=0,
-    so a group of one is well defined) when ``normalize_std``.
+    ``A = r - mean_group(r)``, divided by ``std_group(r) + eps`` when ``normalize_std``,
+    with ``std = sqrt(sum (r - mean)^2 / max(G - ddof, 1))``: ``ddof=1`` (default) is the
+    sample std of verl, TRL and slime, ``ddof=0`` the population std. A group of one has
+    advantage 0 whatever ``ddof`` (its std is taken as 0 rather than 0/0).
 
     References:
       GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
@@ -39,11 +43,12 @@ def group_advantages(rewards: Array, group_size: int, *, normalize_std: bool = T
     if r.shape[0] % group_size:
         raise ValueError(f"group_size: must divide the batch size {r.shape[0]}, "
                          f"got {group_size!r}")
-    check_hparams(eps=eps)
+    check_hparams(normalize_std=normalize_std, ddof=ddof, eps=eps)
     check_finite_where_valid("rewards", r, jnp.ones(r.shape, bool))
     r = r.astype(compute_dtype(r))
     g = r.reshape(-1, group_size)
     a = g - jnp.mean(g, axis=1, keepdims=True)
     if normalize_std:
-        a = a / (jnp.std(g, axis=1, keepdims=True) + eps)
+        var = jnp.sum(a * a, axis=1, keepdims=True) / max(group_size - ddof, 1)
+        a = a / (jnp.sqrt(var) + eps)
     return a.reshape(-1)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, get_args
 
+import numpy as np
+
 from satjax.losses._checks import check_choice, check_range
 
 Kernel = Literal["hill", "gauss"]
@@ -55,14 +57,28 @@ RANGES: dict[str, dict[str, Any]] = {
     "threshold": _IS_THRESHOLD,  # tis_weights / mis_mask spell is_threshold this way
     "is_threshold": _IS_THRESHOLD,
     "low_threshold": {"low": 0.0},
+    "is_threshold_low": {"low": 0.0},
+    "clip_ratio_c": {"low": 1.0, "low_open": True},  # verl's dual clip: must exceed 1
     "eps": {"low": 0.0},
+    "ddof": {"low": 0.0},
 }
+# Numeric hyperparameters whose ``None`` means "off".
+OPTIONAL: frozenset[str] = frozenset({"low_threshold", "is_threshold_low", "clip_ratio_c"})
+INTEGERS: frozenset[str] = frozenset({"ddof"})  # used in Python arithmetic, never traced
+FLAGS: frozenset[str] = frozenset({"normalize_std"})
 
 
 def check_hparams(**values: Any) -> None:
     """Validate hyperparameters by name; numbers are skipped when traced (see ``_checks``)."""
     for name, value in values.items():
-        if name in CHOICES:
+        if value is None and name in OPTIONAL:
+            continue
+        if name in FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: must be a bool, got {value!r}")
+        elif name in INTEGERS and not isinstance(value, int | np.integer):
+            raise ValueError(f"{name}: must be an int, got {value!r}")
+        elif name in CHOICES:
             check_choice(name, value, CHOICES[name])
         else:
             check_range(name, value, **RANGES[name])
@@ -82,14 +98,26 @@ class HParams(_Validated):
     correction.
 
     ``is_correction`` None | "tis" (:func:`~satjax.losses.tis_weights`) | "mis"
-    (:func:`~satjax.losses.mis_mask`) with ``is_threshold`` and ``is_level``.
+    (:func:`~satjax.losses.mis_mask`) with ``is_threshold`` and ``is_level``;
+    ``is_threshold_low`` is MIS's lower bound (None: no lower bound; MIS only).
     """
 
     eps_low: float
     eps_high: float
     is_correction: ISCorrection = None
     is_threshold: float = 2.0
+    is_threshold_low: float | None = None
     is_level: ISLevel = "token"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        low = self.is_threshold_low
+        if low is not None and self.is_correction != "mis":
+            raise ValueError(f"is_threshold_low: must be None unless is_correction='mis' "
+                             f"(TIS truncates from above only), got {low!r}")
+        if low is not None and low > self.is_threshold:
+            raise ValueError(f"is_threshold_low: must be <= is_threshold="
+                             f"{self.is_threshold!r}, got {low!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,10 +130,16 @@ class SequenceClipHParams(HParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenClipHParams(HParams):
-    """Token-level radii (DAPO's clip-higher asymmetry)."""
+    """Token-level radii (DAPO's clip-higher asymmetry) and the dual clip.
+
+    ``clip_ratio_c`` (verl's name; None = off, else > 1): for ``A < 0`` the token loss is
+    capped at ``clip_ratio_c * |A|`` (dual-clip PPO, Ye et al. 2020), so one token with a
+    huge ratio cannot dominate a negative-advantage update.
+    """
 
     eps_low: float = 0.2
     eps_high: float = 0.28
+    clip_ratio_c: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +185,19 @@ class PpoClipHParams(TokenClipHParams):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SatPpoHParams(SatKernelHParams, TokenClipHParams):
     """:func:`~satjax.losses.sat_ppo_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupAdvantageHParams(_Validated):
+    """:func:`~satjax.losses.group_advantages`: ``A = (r - mean) / (std + eps)`` per group.
+
+    ``ddof=1`` is the sample std, as verl, TRL and slime compute it (``ddof=0``, the
+    population std, gives larger advantages for small groups: x1.41 at G=2).
+    """
+
+    normalize_std: bool = True
+    ddof: int = 1
+    eps: float = 1e-6
 
 
 SAT_DEFAULTS = SatKernelHParams()  # what the SAT functions' keyword defaults read

@@ -37,7 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from satjax.losses._checks import check_finite_where_valid, check_shape, compute_dtype, is_concrete
-from satjax.losses.hparams import CHOICES, RANGES, SAT_DEFAULTS, SatGspoHParams, check_hparams
+from satjax.losses.hparams import (
+    CHOICES,
+    RANGES,
+    SAT_DEFAULTS,
+    SatGspoHParams,
+    TokenClipHParams,
+    check_hparams,
+)
 from satjax.losses.quantile import masked_mean
 from satjax.losses.sat import sign_selected_bounds, tail_factor
 
@@ -180,15 +187,31 @@ def _kl_k3(p: Mapping[str, Array]) -> Array:
 def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
          lo: Array, hi: Array, eps_low: Any, eps_high: Any,
          factor: Array | None) -> dict[str, Array]:
-    """Scalar metrics over valid units (rows for sequence losses, tokens otherwise)."""
+    """Scalar metrics over valid units (rows for sequence losses, tokens otherwise).
+
+    Clip fractions count where the clip *binds* for the advantage's sign (verl's
+    ``pg_clipfrac``): ``A > 0`` and ``r > hi`` (high) or ``A < 0`` and ``r < lo`` (low); a
+    ratio outside the interval on the other side keeps its gradient and is not counted.
+    For sequence-level losses each row counts once per valid token (token-weighted, as
+    verl's GSPO); the other metrics are plain means over units.
+    """
     dt = ratio.dtype
     one = jnp.ones((), dt)
     lo_ppo = 1.0 - jnp.asarray(eps_low, dt)
     hi_ppo = 1.0 + jnp.asarray(eps_high, dt)
-    below, above = ratio < lo, ratio > hi
+    if ratio.ndim == 1:  # sequence level: weight each row by its valid-token count
+        adv, clip_w = p["adv"], p["lengths"]
+    else:
+        adv, clip_w = p["adv"][:, None], p["vf"]
+    n_clip = jnp.maximum(jnp.sum(clip_w), 1.0)
+
+    def clip_mean(x: Array) -> Array:
+        return jnp.sum(x.astype(dt) * clip_w) / n_clip
+
+    binds_low, binds_high = (adv < 0) & (ratio < lo), (adv > 0) & (ratio > hi)
     aux = {
-        "clip_frac_low": masked_mean(below.astype(dt), units_valid),
-        "clip_frac_high": masked_mean(above.astype(dt), units_valid),
+        "clip_frac_low": clip_mean(binds_low),
+        "clip_frac_high": clip_mean(binds_high),
         "proxy_abs_mean": masked_mean(jnp.abs(proxy), units_valid),
         "proxy_abs_max": _masked_max(jnp.abs(proxy), units_valid, 0.0),
         "kl_k3": _kl_k3(p),
@@ -201,15 +224,16 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
                    sat_min_factor=one, sat_mean_lo_radius=jnp.asarray(eps_low, dt) * one,
                    sat_mean_hi_radius=jnp.asarray(eps_high, dt) * one)
     else:
-        newly = (below | above) & (ratio >= lo_ppo) & (ratio <= hi_ppo)
+        # Binds under the SAT bounds but would not under the PPO/GSPO ones.
+        newly = (binds_low & (ratio >= lo_ppo)) | (binds_high & (ratio <= hi_ppo))
         aux.update(
-    sat_tail_frac=masked_mean((factor < 1.0).astype(dt), units_valid),
-            sat_newly_clipped_frac=masked_mean(newly.astype(dt), units_valid),
+            sat_tail_frac=masked_mean((factor < 1.0).astype(dt), units_valid),
+            sat_newly_clipped_frac=clip_mean(newly),
             sat_min_factor=_masked_min(factor, units_valid, 1.0),
             sat_mean_lo_radius=masked_mean(jnp.broadcast_to(1.0 - lo, ratio.shape),
-                                            units_valid),
+                                           units_valid),
             sat_mean_hi_radius=masked_mean(jnp.broadcast_to(hi - 1.0, ratio.shape),
-                                            units_valid),
+                                           units_valid),
         )
     return {k: jax.lax.stop_gradient(aux[k]) for k in AUX_KEYS}
 
@@ -280,8 +304,8 @@ def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
       >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
       >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
       >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 2)
-      (-0.1, 0.5)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)  # 2 of 3 tokens
+      (-0.1, 0.6667)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
@@ -402,17 +426,27 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
 # --------------------------------------------------------------------------- token level
 
 
-def _token_terms(p: Mapping[str, Array], lo: Array | float,
-                 hi: Array | float) -> tuple[Array, Array]:
-    """Per-token weighted surrogate [B, T] (0 at invalid tokens) and the token ratio."""
+def _token_terms(p: Mapping[str, Array], lo: Array | float, hi: Array | float,
+                 clip_ratio_c: Any) -> tuple[Array, Array]:
+    """Per-token weighted surrogate [B, T] (0 at invalid tokens) and the token ratio.
+
+    With ``clip_ratio_c`` (dual clip), a token with ``A < 0`` has surrogate at least
+    ``clip_ratio_c * A``, i.e. its loss is capped at ``clip_ratio_c * |A|`` (no gradient
+    there), as verl's ``clip_ratio_c``.
+    """
     r = _ratio(p["log_ratio"])
-    j = clipped_surrogate(r, p["adv"][:, None], lo, hi) * p["w"] * p["vf"]
-    return j, r
+    adv = p["adv"][:, None]
+    j = clipped_surrogate(r, adv, lo, hi)
+    if clip_ratio_c is not None:
+        j = jnp.where(adv < 0, jnp.maximum(j, jnp.asarray(clip_ratio_c, j.dtype) * adv), j)
+    return j * p["w"] * p["vf"], r
 
 
 @_jit_loss
 def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-                  *, eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+                  *, eps_low: float, eps_high: float,
+                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+                  old_logprobs: Array | None = None,
                   token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """Token-level PPO-clip; loss = -(sum of token surrogates) / (number of valid tokens).
 
@@ -420,7 +454,9 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
     loss = ``-sum_{i,t} J_{i,t} / #valid tokens``. The token-mean over the whole batch
     weights long sequences more (DAPO-style), unlike :func:`grpo_loss`, which averages
-    within each sequence first.
+    within each sequence first. ``clip_ratio_c`` (None = off, else > 1): dual clip, for
+    ``A_i < 0`` ``J_{i,t} = max(J_{i,t}, clip_ratio_c * A_i)`` (verl's ``clip_ratio_c``;
+    Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", arXiv:1912.09729).
 
     Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
     ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
@@ -442,7 +478,7 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
     loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
@@ -451,13 +487,16 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
 
 @_jit_loss
 def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
-              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+              eps_low: float, eps_high: float,
+              clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+              old_logprobs: Array | None = None,
               token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """GRPO: token-level clip, each sequence's token surrogates averaged over its length,
     then averaged over sequences (every sequence weighs the same; cf. :func:`ppo_clip_loss`).
 
     With ``J_{i,t}`` as in :func:`ppo_clip_loss`: loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``
-    over valid sequences, ``|o_i|`` the number of valid tokens of row i. The
+    over valid sequences, ``|o_i|`` the number of valid tokens of row i; ``clip_ratio_c``
+    is the dual clip of :func:`ppo_clip_loss`. The
     KL-to-reference penalty of the GRPO paper is not included (add it in the trainer;
     ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy).
 
@@ -481,7 +520,7 @@ def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
     per_seq = jnp.sum(j, axis=1) / jnp.maximum(p["lengths"], 1.0)
     loss = -masked_mean(per_seq, p["row_valid"])
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
@@ -495,13 +534,15 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
                  w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
                  kernel: str = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
                  c_min: float = SAT_DEFAULTS.c_min, scale: str = SAT_DEFAULTS.scale,
+                 clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
                  old_logprobs: Array | None = None,
                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """Token-level SAT: PPO-clip (token-mean) with per-token bounds from ``d = sg(lp - mu)``.
 
     ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, lo_{i,t}, hi_{i,t}) A_i)`` with
     ``(lo, hi)`` = :func:`~satjax.losses.sat_interval` of ``d`` [B, T], kernel statistics
-    over the valid tokens of the batch; loss = ``-sum J / #valid tokens``.
+    over the valid tokens of the batch; loss = ``-sum J / #valid tokens``;
+    ``clip_ratio_c`` is the dual clip of :func:`ppo_clip_loss`.
 
     Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
     ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
@@ -525,7 +566,7 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
     f = tail_factor(p["d_tok"], p["valid"], c=c, w=w, lam=lam, kernel=kernel,
                     quantile=quantile, c_min=c_min, scale=scale)
     lo, hi = sign_selected_bounds(p["d_tok"], f, f, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
     loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)

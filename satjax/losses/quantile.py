@@ -9,7 +9,11 @@ from satjax.losses._checks import check_choice
 
 Array = jax.Array
 
-QUANTILE_METHODS = ("auto", "sort", "bisect")
+QUANTILE_METHODS = ("auto", "sort", "bisect", "radix")
+_DIGIT = 16  # radix-select digit width: two 65536-bin histograms cover a 32-bit key
+# "auto" on CPU: below this many entries bisection is faster (measured on XLA:CPU: 16k
+# entries 0.23 ms bisect vs 0.45 ms radix, 65k entries 1.1 ms vs 0.84 ms).
+_RADIX_MIN_SIZE = 1 << 15
 
 
 def masked_mean(x: Array, valid: Array) -> Array:
@@ -65,6 +69,61 @@ def _kth_smallest(keys: Array, k: Array) -> Array:
     return lo
 
 
+def _rank_in_histogram(hist: Array, rank: Array) -> tuple[Array, Array]:
+    """(bin holding the 0-based ``rank``, number of entries in the bins before it).
+
+    Two-level prefix sums (sqrt(bins) coarse bins, then the fine bins of one), so no
+    full-length cumsum (slow on XLA:CPU).
+    """
+    side = 1 << (_DIGIT // 2)
+    coarse = jnp.sum(hist.reshape(side, side), axis=1)
+    c_cum = jnp.cumsum(coarse)
+    cb = jnp.sum((c_cum <= rank).astype(jnp.int32))
+    fine = jax.lax.dynamic_slice(hist, (cb * side,), (side,))
+    f_cum = c_cum[cb] - coarse[cb] + jnp.cumsum(fine)
+    fb = jnp.sum((f_cum <= rank).astype(jnp.int32))
+    return cb * side + fb, f_cum[fb] - fine[fb]
+
+
+@jax.jit
+def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
+    """Exact k-th and (k+1)-th smallest (0-based) of int32 keys by radix select.
+
+    A histogram of the high 16 bits finds the bucket ``b`` holding rank k; one histogram
+    of the low 16 bits of the entries of ``b`` and of the next non-empty bucket finds both
+    keys. Two scatter-add passes instead of bisection's 32 counting passes.
+    """
+    u = jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(1 << 31)  # order kept
+    nbins = 1 << _DIGIT
+    high = (u >> _DIGIT).astype(jnp.int32)
+    low = (u & jnp.uint32(nbins - 1)).astype(jnp.int32)
+    # Digits are < nbins by construction, so the scatters may skip bounds handling.
+    hist_hi = jnp.zeros(nbins, jnp.int32).at[high].add(1, mode="promise_in_bounds")
+    b, before_b = _rank_in_histogram(hist_hi, k)
+    bins = jnp.arange(nbins)
+    b_next = jnp.min(jnp.where((bins > b) & (hist_hi > 0), bins, nbins))  # nbins: none
+    # Row 0: the low digits of bucket b's entries; row 1: those of bucket b_next's.
+    in_b, in_next = high == b, high == b_next
+    hist_lo = jnp.zeros(2 * nbins, jnp.int32).at[low + nbins * in_next].add(
+        (in_b | in_next).astype(jnp.int32), mode="promise_in_bounds").reshape(2, nbins)
+    lb, before_l = _rank_in_histogram(hist_lo[0], k - before_b)
+    n_le = before_b + before_l + hist_lo[0, lb]  # entries <= the k-th smallest
+    # The (k+1)-th: the same key if it repeats, else the next low digit in b, else the
+    # smallest low digit of b_next.
+    lb_next = jnp.min(jnp.where((bins > lb) & (hist_lo[0] > 0), bins, nbins))
+    lb_after = jnp.min(jnp.where(hist_lo[1] > 0, bins, nbins))
+    same_b = lb_next < nbins
+    b1 = jnp.where(n_le >= k + 2, b, jnp.where(same_b, b, b_next))
+    l1 = jnp.where(n_le >= k + 2, lb, jnp.where(same_b, lb_next, lb_after))
+
+    def to_key(hi: Array, lo: Array) -> Array:
+        key_u = (hi.astype(jnp.uint32) << _DIGIT) | lo.astype(jnp.uint32)
+        return jax.lax.bitcast_convert_type(key_u ^ jnp.uint32(1 << 31), jnp.int32)
+
+    # Past the last entry (k + 1 == n) b_next is nbins; that key is unused (i1 clips to k).
+    return to_key(b, lb), to_key(jnp.minimum(b1, nbins - 1), jnp.minimum(l1, nbins - 1))
+
+
 def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
                     method: str = "auto") -> Array:
     """Quantile of the valid entries of ``x`` with numpy's default linear interpolation.
@@ -78,10 +137,12 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
       q: quantile level in [0, 1].
       mask: 0/1 or bool array of ``x``'s shape; ``None`` means every entry is valid.
       method: "sort" (invalid entries pushed to +inf, the valid count indexes the sorted
-        array), "bisect" (exact order statistics by bisection on the float bit pattern), or
-        "auto": bisect on the CPU backend (measured 3x faster than XLA's CPU sort at 256
-        entries, ~50x at 262k), sort on accelerators (fast device sorts; not measured
-        here). All are exact.
+        array), "bisect" (exact order statistics by bisection on the float bit pattern:
+        32 counting passes), "radix" (radix select on the bit pattern: two scatter-add
+        histogram passes; float32 only, float64 uses "bisect"), or "auto": radix on the
+        CPU backend (262k entries: ~1.3 ms against 5 ms for bisect and 135 ms for XLA's
+        CPU sort), sort on accelerators (fast device sorts; not measured here). All are
+        exact and agree bit for bit.
 
     Returns:
       scalar of ``x``'s (float) dtype; 0 when there is no valid entry.
@@ -109,17 +170,27 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     frac = pos - i0.astype(dt)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
     if method == "auto":
-        method = "bisect" if jax.default_backend() == "cpu" else "sort"
+        if jax.default_backend() != "cpu":
+            method = "sort"
+        else:
+            method = "radix" if flat.size >= _RADIX_MIN_SIZE else "bisect"
+    if method == "radix" and dt != jnp.float32:
+        method = "bisect"
     if method == "sort":
         srt = jnp.sort(filled)
         v0, v1 = srt[i0], srt[i1]
     else:
         keys = _order_key(filled)
-        k0 = _kth_smallest(keys, i0)
-        # The next order statistic is k0 again if it repeats, else the smallest larger one.
-        repeats = jnp.sum((keys <= k0).astype(jnp.int32)) >= i1 + 1
-        nxt = jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max))
+        if method == "radix":
+            k0, k1 = _kth_smallest_radix(keys, i0)
+            k1 = jnp.where(i1 > i0, k1, k0)
+        else:
+            k0 = _kth_smallest(keys, i0)
+            # The next order statistic is k0 again if it repeats, else the next larger.
+            repeats = jnp.sum((keys <= k0).astype(jnp.int32)) >= i1 + 1
+            k1 = jnp.where(repeats, k0,
+                           jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max)))
         v0 = _from_order_key(k0, dt)
-        v1 = _from_order_key(jnp.where(repeats, k0, nxt), dt)
+        v1 = _from_order_key(k1, dt)
     val = v0 + (v1 - v0) * frac
     return jnp.where(n > 0, val, jnp.zeros((), dt))

@@ -78,8 +78,8 @@ def test_loss_keyword_defaults_are_the_dataclass_defaults(name):
                              if k in with_defaults}
     # every hyperparameter of the dataclass except the IS ones and the radii is a loss kwarg
     # with a default, so there is no second place it could be written.
-    expected = set(defaults) - {"eps_low", "eps_high", "is_correction", "is_threshold",
-                                "is_level"}
+    expected = {k for k in defaults if k not in ("eps_low", "eps_high")
+                and not k.startswith("is_")}
     assert set(with_defaults) == expected
 
 
@@ -89,6 +89,26 @@ def test_sat_interval_and_correction_defaults_are_the_dataclass_defaults():
     assert {k: params[k].default for k in _SAT_FIELDS} == sat
     for fn in (L.tis_weights, L.mis_mask):
         assert inspect.signature(fn).parameters["level"].default == H.HParams.is_level
+    params = inspect.signature(L.group_advantages).parameters
+    assert {k: params[k].default for k in ("normalize_std", "ddof", "eps")} == \
+        dataclasses.asdict(H.GroupAdvantageHParams())
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"clip_ratio_c": 1.0}, r"^clip_ratio_c: must be > 1.0, got 1.0$"),
+    ({"is_threshold_low": 0.5}, "is_threshold_low: must be None unless"),
+    ({"is_correction": "mis", "is_threshold_low": 3.0}, "is_threshold_low: must be <="),
+])
+def test_dual_clip_and_mis_low_bound_are_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        H.PpoClipHParams(**kw)
+
+
+def test_dual_clip_is_token_level_and_off_by_default():
+    for name in ("grpo", "ppo_clip", "sat_ppo"):
+        assert objectives.hparams(name).clip_ratio_c is None
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        objectives.hparams("gspo", {"clip_ratio_c": 3.0})
 
 
 @pytest.mark.parametrize("name", objectives.NAMES)

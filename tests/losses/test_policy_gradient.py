@@ -270,3 +270,110 @@ def test_value_checks_skip_under_jit_and_padding_may_be_nan(make_batch, seq_eps)
     assert np.isfinite(float(loss))
     g = jax.grad(lambda x: L.gspo_loss(x, mu, a, mask, **seq_eps)[0])(lp)
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+# ----------------------------------------------------------------- clip fractions, dual clip
+
+
+def _np_batch(make_batch, seed, scale):
+    lp, mu, a, mask = make_batch(seed, scale=scale)
+    lp_np = np.where(np.asarray(mask), np.asarray(lp, np.float64), 0.0)
+    return lp, mu, a, mask, lp_np, np.asarray(mu, np.float64), np.asarray(a, np.float64), \
+        np.asarray(mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_clip_fractions_count_where_the_clip_binds(make_batch, tok_eps, seed):
+    """verl's pg_clipfrac: A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low."""
+    lp, mu, a, mask, lpn, mun, an, mn = _np_batch(make_batch, seed, 0.4)
+    r = np.exp(lpn - mun)
+    n = mn.sum()
+    high = (mn & (an[:, None] > 0) & (r > 1 + tok_eps["eps_high"])).sum() / n
+    low = (mn & (an[:, None] < 0) & (r < 1 - tok_eps["eps_low"])).sum() / n
+    # The other side of the interval exists here and must not be counted.
+    assert (mn & (an[:, None] < 0) & (r > 1 + tok_eps["eps_high"])).any()
+    for fn in (L.ppo_clip_loss, L.grpo_loss):
+        _, aux = fn(lp, mu, a, mask, **tok_eps)
+        np.testing.assert_allclose(float(aux["clip_frac_high"]), high, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(float(aux["clip_frac_low"]), low, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_clip_fractions_are_token_weighted(make_batch, seq_eps, seed):
+    lp, mu, a, mask, lpn, mun, an, mn = _np_batch(make_batch, seed, 0.3)
+    lengths = mn.sum(1)
+    s = np.exp(np.sum((lpn - mun) * mn, 1) / np.maximum(lengths, 1))
+    high = np.sum(lengths * ((an > 0) & (s > 1 + seq_eps["eps_high"]))) / lengths.sum()
+    low = np.sum(lengths * ((an < 0) & (s < 1 - seq_eps["eps_low"]))) / lengths.sum()
+    assert high + low > 0
+    for fn in (L.gspo_loss, L.gspo_token_loss):
+        _, aux = fn(lp, mu, a, mask, **seq_eps)
+        np.testing.assert_allclose(float(aux["clip_frac_high"]), high, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(float(aux["clip_frac_low"]), low, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("proxy", ["sequence", "token"])
+def test_sat_newly_clipped_counts_where_only_the_sat_bound_binds(make_batch, seq_eps,
+                                                                 tok_eps, proxy):
+    """SAT-GSPO (token-weighted rows) and SAT-PPO (tokens), with bounds from sat_interval."""
+    # Staleness of the size of the radii, so some ratios fall between SAT and PPO bounds.
+    # (seed 5 holds such a token at scale 0.1 and such a row at 0.03)
+    lp, mu, a, mask, lpn, mun, an, mn = _np_batch(make_batch, 5,
+                                                  0.1 if proxy == "token" else 0.03)
+    lengths = mn.sum(1)
+    # sat_ppo: per-token bounds from sat_interval on d = lp - mu over the valid tokens.
+    lo, hi = (np.asarray(x, np.float64) for x in L.sat_interval(
+        jnp.asarray(lpn - mun, jnp.float32), mask=mask, **tok_eps))
+    r, at = np.exp(lpn - mun), an[:, None]
+    newly = mn & (((at > 0) & (r > hi) & (r <= 1 + tok_eps["eps_high"]))
+                  | ((at < 0) & (r < lo) & (r >= 1 - tok_eps["eps_low"])))
+    assert newly.any() or proxy == "sequence"
+    _, aux = L.sat_ppo_loss(lp, mu, a, mask, **tok_eps)
+    np.testing.assert_allclose(float(aux["sat_newly_clipped_frac"]), newly.sum() / mn.sum(),
+                               rtol=1e-6)
+    if proxy == "token":
+        return
+    d = np.sum((lpn - mun) * mn, 1) / np.maximum(lengths, 1)
+    row = lengths > 0
+    lo, hi = (np.asarray(x, np.float64) for x in L.sat_interval(
+        jnp.asarray(d, jnp.float32), mask=jnp.asarray(row), **seq_eps))
+    s = np.exp(d)  # no old_logprobs: the ratio reference is mu, so log s = d
+    newly = row & (((an > 0) & (s > hi) & (s <= 1 + seq_eps["eps_high"]))
+                   | ((an < 0) & (s < lo) & (s >= 1 - seq_eps["eps_low"])))
+    assert newly.any()
+    _, aux = L.sat_gspo_loss(lp, mu, a, mask, **seq_eps)
+    np.testing.assert_allclose(float(aux["sat_newly_clipped_frac"]),
+                               np.sum(lengths * newly) / lengths.sum(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", "grpo", "sat_ppo"])
+def test_dual_clip_caps_negative_advantage_tokens(make_batch, tok_eps, name):
+    """verl clip_ratio_c: for A < 0 the token loss is min(PPO loss, c |A|); numpy reference
+    of the loss (rtol 1e-5) and of the gradient (rtol 1e-4)."""
+    lp, mu, a, mask, lpn, mun, an, mn = _np_batch(make_batch, 4, 1.0)
+    c = 3.0
+    fn = getattr(L, f"{name}_loss")
+    kw = dict(tok_eps, lam=0.0) if name == "sat_ppo" else dict(tok_eps)  # SAT off: PPO bounds
+    (loss, _), g = jax.value_and_grad(
+        lambda x: fn(x, mu, a, mask, clip_ratio_c=c, **kw), has_aux=True)(lp)
+    r, at = np.exp(lpn - mun), an[:, None]
+    ppo_loss = np.where(at >= 0, -at * np.minimum(r, 1 + tok_eps["eps_high"]),
+                        -at * np.maximum(r, 1 - tok_eps["eps_low"]))
+    capped = (at < 0) & (ppo_loss > c * -at)
+    assert (capped & mn).any()
+    tok_loss = np.where(capped, c * -at, ppo_loss)
+    free = np.where(at >= 0, r <= 1 + tok_eps["eps_high"], r >= 1 - tok_eps["eps_low"])
+    tok_g = np.where(free & ~capped, -at * r, 0.0)
+    lengths = mn.sum(1)
+    if name == "grpo":
+        per = np.where(mn, 1.0, 0.0) / np.maximum(lengths, 1)[:, None] / (lengths > 0).sum()
+    else:
+        per = np.where(mn, 1.0, 0.0) / mn.sum()
+    np.testing.assert_allclose(float(loss), np.sum(tok_loss * per), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), tok_g * per, rtol=1e-4, atol=1e-7)
+    base, _ = fn(lp, mu, a, mask, **kw)
+    assert float(loss) < float(base)  # the cap only lowers the loss
+    # objectives passes it through
+    obj_loss, _ = objectives.make(name, clip_ratio_c=c, **kw)(
+        lp, {"behavior_logprobs": mu, "advantages": a, "mask": mask})
+    assert float(obj_loss) == float(loss)

@@ -13,7 +13,7 @@ FAST = settings(max_examples=5, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 _QUANTILE = {m: jax.jit(lambda x, q, mask, m=m: L.masked_quantile(x, q, mask, method=m))
-             for m in ("sort", "bisect")}
+             for m in ("sort", "bisect", "radix")}
 
 
 @FAST
@@ -27,13 +27,14 @@ def test_masked_quantile_matches_numpy(seed, n_valid, q, ties):
     m = np.zeros(300, bool)
     m[rng.permutation(300)[:n_valid]] = True
     ref = np.quantile(x[m].astype(np.float64), q)
-    for method in ("sort", "bisect"):
-        got = float(_QUANTILE[method](jnp.asarray(x), q, jnp.asarray(m)))
-        assert got == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    got = {method: float(fn(jnp.asarray(x), q, jnp.asarray(m)))
+           for method, fn in _QUANTILE.items()}
+    assert got["sort"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    assert got["bisect"] == got["sort"] and got["radix"] == got["sort"]  # bit for bit
 
 
 def test_masked_quantile_empty_mask_is_zero():
-    for method in ("sort", "bisect"):
+    for method in _QUANTILE:
         assert float(L.masked_quantile(jnp.ones(4), 0.9, jnp.zeros(4, bool),
                                        method=method)) == 0.0
 
@@ -48,3 +49,20 @@ def test_masked_mean_ignores_invalid_entries_and_is_zero_when_empty():
     assert float(L.masked_mean(jnp.where(jnp.isfinite(x), x, 0.0),
                                jnp.asarray([True, True, False]))) == 1.5
     assert float(L.masked_mean(jnp.ones(3), jnp.zeros(3, bool))) == 0.0
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.9, 0.999, 1.0])
+def test_radix_is_bit_for_bit_the_sort_on_a_large_heavy_tailed_batch(q):
+    """262k entries (the benchmark's size), negative values, ties, +-0 and a mask."""
+    rng = np.random.default_rng(1)
+    x = (rng.standard_t(3, (256, 1024)) * 0.05).astype(np.float32)
+    x[:, :64] = np.round(x[:, :64], 2)  # many ties
+    x[0, :8] = [0.0, -0.0, 1e-38, -1e-38, 1e30, -1e30, 0.0, 5e-45]
+    m = rng.random(x.shape) < 0.7
+    got = {method: np.asarray(fn(jnp.asarray(x), q, jnp.asarray(m)))
+           for method, fn in _QUANTILE.items()}
+    assert got["radix"].tobytes() == got["sort"].tobytes() == got["bisect"].tobytes()
+    # float32 position q (n - 1) ~ 1.8e5 has ulp 1/64: the interpolation weight, not the
+    # order statistics, limits agreement with float64 numpy to ~1e-4 relative.
+    np.testing.assert_allclose(got["radix"], np.quantile(x[m].astype(np.float64), q),
+                               rtol=1e-4, atol=1e-12)
