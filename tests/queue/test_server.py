@@ -22,49 +22,6 @@ from satjax.queue.server import QueueServer
 from satjax.queue.validation import Limits
 
 
-class Harness:
-    """Starts/restarts an in-process server on one data dir; hands out clients."""
-
-    def __init__(self, data_dir, token, **kw):
-        self.data_dir, self.token, self.kw = data_dir, token, kw
-        self.server = None
-        self.clients = []
-
-    def start(self):
-        self.server = QueueServer(self.data_dir, self.token, **self.kw)
-        self.port = self.server.start(0)
-        return self.client()
-
-    def client(self, token=None, **kw):
-        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retries=0, **kw)
-        self.clients.append(c)
-        return c
-
-    def restart(self):
-        self.server.stop(None)
-        return self.start()
-
-    def close(self):
-        for c in self.clients:
-            c.close()
-        if self.server is not None:
-            self.server.stop(None)
-
-
-@pytest.fixture
-def harness(tmp_path, token):
-    made = []
-
-    def make(**kw):
-        h = Harness(tmp_path / f"q{len(made)}", token, **kw)
-        made.append(h)
-        return h, h.start()
-
-    yield make
-    for h in made:
-        h.close()
-
-
 def ids(batch):
     return sorted(t.trajectory_id for t in batch.trajectories)
 
