@@ -618,10 +618,10 @@ class TrajectoryQueue:
                     too_large=True)
             payloads = [e.payload if e.payload is not None else self._log.read(e.loc)
                         for e in entries]
-            cursor = self._deliveries.deliver(entries)
             self.counters["dropped_stale_total"] += dropped
             if changed or dropped:  # drops and the trainer version survive restarts
-                self._save_state()
+                self._save_state()  # before delivering: a failed save delivers nothing
+            cursor = self._deliveries.deliver(entries)
             if dropped:
                 self._gc_or_storage_error()
         hist = Counter(trainer_version - e.policy_version for e in entries)

@@ -358,7 +358,11 @@ def _token(args: argparse.Namespace) -> str:
     if args.token:
         return args.token
     if args.token_file:
-        return Path(args.token_file).read_text().strip()
+        try:
+            return Path(args.token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"token_file: must be a readable file, got "
+                             f"{args.token_file!r} ({e.strerror})") from None
     return os.environ.get(TOKEN_ENV, "")
 
 
@@ -367,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = _token(args)
+    try:
+        token = _token(args)
+    except ValueError as e:
+        print(f"serve-queue: {e}", file=sys.stderr)
+        return 2
     if not token:
         print(f"serve-queue: no token: give --token, --token-file or ${TOKEN_ENV}",
               file=sys.stderr)

@@ -173,6 +173,7 @@ def test_unauthenticated_24mb_put_is_refused_before_parsing(
     (("--tls-cert", "missing.pem", "--tls-key", "missing.pem"), "tls_cert: must be a readable"),
     (("--tls-cert", "junk.pem", "--tls-key", "junk.pem"), "tls_cert: must be a PEM file"),
     (("--group-size", "0"), "group_size: must be >= 1"),
+    (("--token-file", "missing.txt"), "token_file: must be a readable file"),
 ])
 def test_misused_flags_end_in_one_line(tmp_path, serve_queue_refusal, flags, expected,
                                        monkeypatch):
