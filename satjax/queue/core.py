@@ -411,10 +411,15 @@ class TrajectoryQueue:
         self._holder: str | None = None  # consumer_id holding the lease
         self._holder_seen = 0.0
         self.counters: Counter[str] = Counter()  # the *_total fields of StatsReply
-        records = [(seq, loc, TrajectoryView(payload))
-                   for seq, loc, payload in self._log.replay()]
-        if consumer is None:
-            consumer = ConsumerState(watermark=records[0][0] - 1 if records else 0)
+        for seq, loc, payload in self._log.replay():
+            msg = TrajectoryView(payload)
+            if consumer is None:  # no state to trust: everything in the log is unconsumed
+                consumer = ConsumerState(watermark=seq - 1)
+            self._ids[msg.trajectory_id] = seq
+            self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
+            if not consumer.is_done(seq):
+                self._index(seq, msg, loc)
+        consumer = consumer or ConsumerState()
         last = self._log.last_seq
         if consumer.watermark > last or any(s > last for s in consumer.done_above):
             self._log.close()
@@ -422,11 +427,6 @@ class TrajectoryQueue:
                                f"(watermark {consumer.watermark}, last seq in the log "
                                f"{last}); {RECOVERY}")
         self._consumer = consumer
-        for seq, loc, msg in records:
-            self._ids[msg.trajectory_id] = seq
-            self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
-            if not consumer.is_done(seq):
-                self._index(seq, msg, loc)
         self._next_seq = max(consumer.watermark, last) + 1
         consumer.epoch += 1
         self._deliveries = Deliveries(consumer.epoch)
