@@ -15,7 +15,7 @@ Semantics (docs/queue.md has the long form):
   a group (complete or not) with ``lag > max_lag`` is dropped whole, counted, and its late
   members are dropped too.
 * Cursor: every delivered batch gets a cursor larger than any delivered before it (also
-  across server restarts: the high 32 bits are the open count). ``Ack(c)`` consumes every
+  across server restarts: the high 32 bits are an epoch bumped at every open). ``Ack(c)`` consumes every
   delivered, unacknowledged batch whose cursor is <= c, i.e. every batch delivered up to
   and including that one, whatever seqs they hold (groups complete out of order).
 * One consumer at a time: GetBatch and Ack carry a ``consumer_id``; the first caller holds
@@ -428,7 +428,8 @@ class TrajectoryQueue:
                                f"{last}); {RECOVERY}")
         self._consumer = consumer
         self._next_seq = max(consumer.watermark, last) + 1
-        consumer.epoch += 1
+        # never below the clock, so that cursors stay monotonic even if state.json was reset
+        consumer.epoch = max(consumer.epoch + 1, int(time.time()))
         self._deliveries = Deliveries(consumer.epoch)
         try:
             self._save_state()  # the new epoch; also marks the directory as initialised

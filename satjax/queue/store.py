@@ -349,7 +349,8 @@ class ConsumerState:
 
     watermark: every seq <= watermark is consumed (acked or dropped as stale).
     done_above: consumed seqs > watermark (groups complete out of order).
-    epoch: bumped at every open, so cursors of an earlier server life never match new ones.
+    epoch: raised at every open (to at least the unix time), so cursors of an earlier
+    server life never match new ones.
     """
 
     watermark: int = 0
