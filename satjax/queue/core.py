@@ -15,9 +15,10 @@ Semantics (docs/queue.md has the long form):
   a group (complete or not) with ``lag > max_lag`` is dropped whole, counted, and its late
   members are dropped too.
 * Cursor: every delivered batch gets a cursor larger than any delivered before it (also
-  across server restarts: the high 32 bits are an epoch bumped at every open). ``Ack(c)`` consumes every
-  delivered, unacknowledged batch whose cursor is <= c, i.e. every batch delivered up to
-  and including that one, whatever seqs they hold (groups complete out of order).
+  across server restarts: the high 32 bits are an epoch raised at every open).
+  ``Ack(c)`` consumes every delivered, unacknowledged batch whose cursor is <= c, i.e.
+  every batch delivered up to and including that one, whatever seqs they hold (groups
+  complete out of order).
 * One consumer at a time: GetBatch and Ack carry a ``consumer_id``; the first caller holds
   the lease, renewed by each call. Another id is refused (:class:`ConsumerLeaseError`)
   until the holder has been idle ``consumer_lease_s`` or the newcomer passes
