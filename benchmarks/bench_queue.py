@@ -37,7 +37,7 @@ from satjax.queue.store import FSYNC_POLICIES  # noqa: E402
 from satjax.trajectory import Trajectory  # noqa: E402
 from satjax.utils import free_port  # noqa: E402
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789"  # the server wants >= 16 characters
 MB = 1 << 20
 OPTIONS = [("grpc.max_receive_message_length", 256 * MB),
            ("grpc.max_send_message_length", 256 * MB)]
@@ -90,10 +90,11 @@ def bench(args: argparse.Namespace, fsync: str) -> dict[str, float]:
                    "--log-level", "WARNING", "--num-experts", str(args.experts)],
                   "listening on")
     echo = start([sys.executable, __file__, "--serve-echo", str(eport)], "echo listening")
+    # two clients, one consumer: they share the queue's consumer lease
     wire_client = QueueClient(f"127.0.0.1:{qport}", token=TOKEN, max_message_mb=256,
-                              compact_routes=True)
+                              compact_routes=True, consumer_id="bench")
     e2e_client = QueueClient(f"127.0.0.1:{qport}", token=TOKEN, max_message_mb=256,
-                             num_experts=args.experts)
+                             num_experts=args.experts, consumer_id="bench")
     channel = grpc.insecure_channel(f"127.0.0.1:{eport}", options=OPTIONS)
     echo_call = channel.unary_unary("/bench.Echo/Echo")
     counter = [0]

@@ -1,14 +1,17 @@
 """Client of the trajectory queue (producers: ``put``/``should_pause``; trainer: the rest).
 
-Calls that fail with UNAVAILABLE are retried with bounded exponential backoff; ``put`` is
-safe to retry because the server de-duplicates on ``trajectory_id``. Other failures raise
-a :class:`QueueError` subclass naming what went wrong.
+Calls that fail with UNAVAILABLE, or with a full disk on the server, are retried with
+bounded exponential backoff; ``put`` is safe to retry because the server de-duplicates on
+``trajectory_id``. Other failures raise a :class:`QueueError` subclass naming what went
+wrong. Each client is one consumer (``consumer_id``, a fresh id unless given): the server
+serves one consumer at a time (see ``get_batch``'s ``take_over``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,11 +28,12 @@ from satjax.queue.codec import (
     join_messages,
 )
 from satjax.queue.core import PutResult, Rejection
+from satjax.queue.server import ERROR_KIND_KEY, STORAGE_ERROR
 from satjax.trajectory import Trajectory
 
 __all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "QueueError",
-           "QueueTimeoutError", "QueueTooLargeError", "QueueUnavailableError",
-           "QueueValidationError", "Rejection", "TrajectoryBatch"]
+           "QueueLeaseError", "QueueStorageError", "QueueTimeoutError", "QueueTooLargeError",
+           "QueueUnavailableError", "QueueValidationError", "Rejection", "TrajectoryBatch"]
 
 T = TypeVar("T")
 
@@ -67,6 +71,15 @@ class QueueTooLargeError(QueueError):
     """A message or batch is over the size limit (RESOURCE_EXHAUSTED)."""
 
 
+class QueueStorageError(QueueError):
+    """The server could not store the call's data (disk full, I/O error); nothing was kept,
+    and the same call succeeds once the server's disk has room again."""
+
+
+class QueueLeaseError(QueueError):
+    """Another consumer holds the queue (FAILED_PRECONDITION); see ``take_over``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrajectoryBatch:
     """A GetBatch answer: whole groups of decoded trajectories, oldest first."""
@@ -94,7 +107,13 @@ _ERRORS: dict[grpc.StatusCode, type[QueueError]] = {
     grpc.StatusCode.UNAVAILABLE: QueueUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: QueueTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: QueueTooLargeError,
+    grpc.StatusCode.FAILED_PRECONDITION: QueueLeaseError,
 }
+
+
+def _is_storage_error(e: grpc.RpcError) -> bool:
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return (ERROR_KIND_KEY, STORAGE_ERROR) in tuple(trailing or ())
 
 
 class QueueClient:
@@ -103,7 +122,8 @@ class QueueClient:
     def __init__(self, address: str, *, token: str, tls_ca: str | Path | None = None,
                  tls_server_name: str | None = None, max_message_mb: float = MAX_MESSAGE_MB,
                  retries: int = 6, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-                 num_experts: int | None = None, compact_routes: bool = False):
+                 num_experts: int | None = None, compact_routes: bool = False,
+                 consumer_id: str | None = None):
         if not token:
             raise ValueError(f"token: must be a non-empty bearer token, got {token!r}")
         if retries < 0:
@@ -131,6 +151,7 @@ class QueueClient:
         self.address, self.retries, self.max_message_bytes = address, retries, size
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.num_experts, self.compact_routes = num_experts, compact_routes
+        self.consumer_id = consumer_id or uuid.uuid4().hex
 
     # -- plumbing -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -140,11 +161,12 @@ class QueueClient:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.UNAVAILABLE and attempt < self.retries:
+                storage = _is_storage_error(e)
+                if (code == grpc.StatusCode.UNAVAILABLE or storage) and attempt < self.retries:
                     time.sleep(delay)
                     delay = min(delay * 2, self.max_backoff_s)
                     continue
-                cls = _ERRORS.get(code, QueueError)
+                cls = QueueStorageError if storage else _ERRORS.get(code, QueueError)
                 raise cls(f"{what} on {self.address}: {code.name}: {e.details()}", code) from e
         raise AssertionError("unreachable")
 
@@ -193,17 +215,21 @@ class QueueClient:
     # -- trainer API ----------------------------------------------------------------------
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout: float = 0.0, *, allow_partial: bool = False,
-                  redeliver_unacked: bool = False) -> TrajectoryBatch:
+                  redeliver_unacked: bool = False, take_over: bool = False) -> TrajectoryBatch:
         """Waits up to ``timeout`` s for ``n`` fresh trajectories in whole groups.
 
         An empty batch (cursor 0) comes back when fewer than ``n`` are ready in time, unless
         ``allow_partial``. Set ``redeliver_unacked`` on the first call after a trainer restart.
+        While another consumer holds the queue this raises :class:`QueueLeaseError`, unless
+        ``take_over`` (a trainer resuming after a crash): the other's unacknowledged batches
+        are then delivered again and its later calls are refused.
         Routes are int32 unless the client was made with ``compact_routes=True`` (then
         read-only uint8/uint16 views, no copy).
         """
         request = pb2.GetBatchRequest(n=n, trainer_version=trainer_version, timeout_s=timeout,
                                       allow_partial=allow_partial,
-                                      redeliver_unacked=redeliver_unacked)
+                                      redeliver_unacked=redeliver_unacked,
+                                      consumer_id=self.consumer_id, take_over=take_over)
         if max_lag is not None:
             request.max_lag = max_lag
         raw = self._call("get_batch", lambda: self._get_raw(
@@ -213,9 +239,11 @@ class QueueClient:
         return TrajectoryBatch(trajs, cursor, hist, dropped)
 
     def ack(self, cursor: int) -> int:
-        """Marks every delivered batch with cursor <= ``cursor`` consumed; returns how many."""
+        """Consumes every batch delivered to this client up to and including the one with
+        ``cursor`` (cursors grow with each delivery); returns how many trajectories."""
         return self._call("ack", lambda: self._stub.Ack(
-            pb2.AckRequest(cursor=cursor), metadata=self._metadata)).acked
+            pb2.AckRequest(cursor=cursor, consumer_id=self.consumer_id),
+            metadata=self._metadata)).acked
 
     def stats(self) -> dict[str, int]:
         reply = self._call("stats", lambda: self._stub.Stats(pb2.StatsRequest(),

@@ -402,7 +402,7 @@ def decode_batch_reply(buf: bytes | memoryview, *, compact_routes: bool = False
             cursor = value
         elif field == _REPLY["lag_histogram"]:
             entry = dict((f, v) for f, _, v in iter_fields(value))
-            lag = _signed64(entry.get(_HIST_ENTRY["key"], 0))  # int32 keys: sign-extended
+            lag = _signed64(entry.get(_HIST_ENTRY["key"], 0))  # int64 keys
             hist[lag] = entry.get(_HIST_ENTRY["value"], 0)
         elif field == _REPLY["dropped_stale"]:
             dropped = value

@@ -14,8 +14,16 @@ Semantics (docs/queue.md has the long form):
 * Lag: ``lag = trainer_version - policy_version``. A group is as stale as its oldest member;
   a group (complete or not) with ``lag > max_lag`` is dropped whole, counted, and its late
   members are dropped too.
-* Cursor: a batch's cursor is the largest seq in it. ``Ack(c)`` consumes every delivered,
-  unacknowledged batch whose cursor is <= c (acks are cumulative over batches).
+* Cursor: every delivered batch gets a cursor larger than any delivered before it (also
+  across server restarts: the high 32 bits are an epoch raised at every open).
+  ``Ack(c)`` consumes every delivered, unacknowledged batch whose cursor is <= c, i.e.
+  every batch delivered up to and including that one, whatever seqs they hold (groups
+  complete out of order).
+* One consumer at a time: GetBatch and Ack carry a ``consumer_id``; the first caller holds
+  the lease, renewed by each call. Another id is refused (:class:`ConsumerLeaseError`)
+  until the holder has been idle ``consumer_lease_s`` or the newcomer passes
+  ``take_over``; either way the old holder's unacknowledged batches become pending again
+  and its later calls are refused.
 * Future versions: once a trainer has asked (version V), a Put with
   ``policy_version > V + 1 + future_slack`` is rejected (V + 1: the trainer publishes
   weights V + 1 before it asks for the batch of version V + 1).
@@ -38,13 +46,28 @@ from pathlib import Path
 
 from satjax import config as run_config
 from satjax.queue.codec import TrajectoryView
-from satjax.queue.store import ConsumerState, Location, RetiredIds, SegmentLog
+from satjax.queue.store import (
+    RECOVERY,
+    STATE_FILE,
+    ConsumerState,
+    DataDirError,
+    DirLock,
+    Location,
+    RetiredIds,
+    SegmentLog,
+    StorageError,
+)
 from satjax.queue.validation import Limits, Problem, validate
 
 log = logging.getLogger(__name__)
 
 # Groups dropped as stale are remembered (their late members are dropped too) up to this many.
 DROPPED_GROUPS_MEMORY = 100_000
+
+
+def reply_bytes(record_length: int) -> int:
+    """A stored record's share of a GetBatch reply: the record plus its field framing."""
+    return record_length + 8
 
 
 class QueueRequestError(ValueError):
@@ -59,6 +82,10 @@ class QueueClosedError(RuntimeError):
     """The queue is shutting down; the call may be retried against the restarted server."""
 
 
+class ConsumerLeaseError(RuntimeError):
+    """Another consumer holds the lease (or took it over from the caller)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class QueueSettings:
     """Server-side knobs; ``fsync`` and ``max_lag_default`` default to the run config's."""
@@ -71,6 +98,7 @@ class QueueSettings:
     max_reply_bytes: int = 64 << 20
     dedup_window: int = 1_000_000
     cache_bytes: int = 256 << 20  # recent payloads kept in memory: GetBatch skips the read
+    consumer_lease_s: float = 120.0  # idle time after which another consumer may take over
     limits: Limits = Limits()
 
 
@@ -127,6 +155,7 @@ class Group:
     size: int
     prompt_id: str
     members: list[Entry] = dataclasses.field(default_factory=list)
+    nbytes: int = 0  # members' share of a GetBatch reply (record + framing)
 
     @property
     def min_version(self) -> int:
@@ -184,6 +213,7 @@ class GroupIndex:
             group = self.groups[msg.group_id] = Group(msg.group_id, msg.group_size,
                                                       msg.prompt_id)
         group.members.append(entry)
+        group.nbytes += reply_bytes(entry.loc.length)
 
     def discard_if_consumed(self, group_id: str, live: Container[int]) -> None:
         """Forgets ``group_id`` once none of its members' seqs is in ``live``."""
@@ -191,20 +221,24 @@ class GroupIndex:
         if group is not None and all(m.seq not in live for m in group.members):
             del self.groups[group_id]
 
-    def check(self, msg: TrajectoryView, staged: dict[str, list]) -> Problem | None:
-        """Members of a group agree on group_size and prompt_id; no more than group_size.
+    def check(self, msg: TrajectoryView, staged: dict[str, list], nbytes: int,
+              max_bytes: int) -> Problem | None:
+        """Members of a group agree on group_size and prompt_id; no more than group_size;
+        the whole group fits in one GetBatch reply of ``max_bytes``.
 
-        ``staged``: group -> [group_size, prompt_id, count] of items accepted earlier in the
-        same put, not yet indexed.
+        ``staged``: group -> [group_size, prompt_id, count, bytes] of items accepted earlier
+        in the same put, not yet indexed; ``nbytes``: this item's share of a reply.
         """
         group, mine = self.groups.get(msg.group_id), staged.get(msg.group_id)
         if group is not None:
-            size, prompt, count = group.size, group.prompt_id, len(group.members)
+            size, prompt, count, total = (group.size, group.prompt_id, len(group.members),
+                                          group.nbytes)
         elif mine is not None:
-            size, prompt, count = mine[0], mine[1], 0
+            size, prompt, count, total = mine[0], mine[1], 0, 0
         else:
-            size, prompt, count = msg.group_size, msg.prompt_id, 0
-        count += mine[2] if mine is not None else 0
+            size, prompt, count, total = msg.group_size, msg.prompt_id, 0, 0
+        if mine is not None:
+            count, total = count + mine[2], total + mine[3]
         if msg.group_size != size:
             return Problem("group_size", f"group_size: must be {size} like the rest of group "
                                          f"{msg.group_id!r}, got {msg.group_size!r}")
@@ -214,6 +248,12 @@ class GroupIndex:
         if count >= size:
             return Problem("group_id", f"group_id: group {msg.group_id!r} already has its "
                                        f"{size} members")
+        if total + nbytes > max_bytes:
+            # refused now, or the group could never be delivered and would hold up the queue
+            return Problem("group_id", f"group_id: group {msg.group_id!r} must fit in one "
+                                       f"message of {max_bytes} bytes (the server's max "
+                                       f"message size), got {total + nbytes!r} bytes with "
+                                       f"this member")
         return None
 
     def stale(self, trainer_version: int, max_lag: int) -> list[Entry]:
@@ -256,18 +296,26 @@ class GroupIndex:
 # Delivery bookkeeping: cursors of delivered, unacknowledged batches
 # ===================================================================================
 class Deliveries:
-    """cursor (largest seq of a batch) -> its entries, until acked or redelivered."""
+    """cursor -> entries of a delivered batch, until acked or redelivered.
 
-    def __init__(self):
+    Cursors count deliveries (``epoch << 32 | n``), not seqs: a batch delivered later always
+    has a larger cursor, so acking the last batch's cursor covers every earlier one even
+    when a later batch holds older seqs (a group that completed late).
+    """
+
+    def __init__(self, epoch: int):
         self._batches: dict[int, list[Entry]] = {}
+        self._epoch, self._count = epoch, 0
 
     def deliver(self, entries: list[Entry]) -> int:
         """Marks ``entries`` delivered; returns their cursor (0 for an empty batch)."""
+        if not entries:
+            return 0
         for e in entries:
             e.state = State.DELIVERED
-        cursor = max((e.seq for e in entries), default=0)
-        if entries:
-            self._batches[cursor] = entries
+        self._count += 1
+        cursor = (self._epoch << 32) | self._count
+        self._batches[cursor] = entries
         return cursor
 
     def requeue_all(self) -> None:
@@ -276,6 +324,9 @@ class Deliveries:
             for e in entries:
                 e.state = State.PENDING
         self._batches.clear()
+
+    def unacked(self) -> int:
+        return sum(len(v) for v in self._batches.values())
 
     def take_acked(self, cursor: int) -> list[Entry]:
         """Entries of every batch whose cursor is <= ``cursor`` (acks are cumulative)."""
@@ -316,14 +367,38 @@ def pause_decision(consumer: ConsumerState, pending: list[Entry], worker_version
 class TrajectoryQueue:
     """Thread-safe durable queue; one consumer (the trainer), many producers."""
 
-    def __init__(self, data_dir: str | Path, settings: QueueSettings = QueueSettings()):
+    def __init__(self, data_dir: str | Path, settings: QueueSettings = QueueSettings(), *,
+                 reset_consumer_state: bool = False):
+        """Opens (or creates) the queue in ``data_dir``; :class:`DataDirError` when another
+        server holds it or its consumer state is missing, damaged or ahead of the log.
+
+        ``reset_consumer_state``: forget the consumer state; every record still in the log
+        is delivered again (the recovery the DataDirError messages name).
+        """
         self.settings = settings
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._state_path = self.dir / "state.json"
+        self._dir_lock = DirLock(self.dir)
+        try:
+            self._open(reset_consumer_state)
+        except BaseException:
+            self._dir_lock.release()
+            raise
+
+    def _open(self, reset_consumer_state: bool) -> None:
+        settings = self.settings
+        self._state_path = self.dir / STATE_FILE
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._consumer = ConsumerState.load(self._state_path)
+        has_log = any(self.dir.glob("seg-*.log"))
+        if reset_consumer_state or not (has_log or self._state_path.exists()):
+            consumer = None  # set from the log below
+        elif not self._state_path.exists():
+            # state.json is written before the first record, so the log proves it existed
+            raise DataDirError(f"{self._state_path}: consumer state is missing but the log "
+                               f"holds records; {RECOVERY}")
+        else:
+            consumer = ConsumerState.load(self._state_path)
         self._retired = RetiredIds(self.dir / "retired_ids.jsonl", settings.dedup_window)
         self._log = SegmentLog(self.dir, segment_bytes=settings.segment_bytes,
                                fsync=settings.fsync)
@@ -331,21 +406,39 @@ class TrajectoryQueue:
         self._ids: dict[str, int] = {}              # trajectory_id -> seq, records on disk
         self._seg_ids: dict[int, list[str]] = {}    # segment -> trajectory ids in it
         self._groups = GroupIndex()
-        self._deliveries = Deliveries()
         self._cache = PayloadCache(settings.cache_bytes)
         self._waiting = 0
         self._closed = False
+        self._holder: str | None = None  # consumer_id holding the lease
+        self._holder_seen = 0.0
         self.counters: Counter[str] = Counter()  # the *_total fields of StatsReply
-        last = self._consumer.watermark
         for seq, loc, payload in self._log.replay():
             msg = TrajectoryView(payload)
+            if consumer is None:  # no state to trust: everything in the log is unconsumed
+                consumer = ConsumerState(watermark=seq - 1)
             self._ids[msg.trajectory_id] = seq
             self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
-            if not self._consumer.is_done(seq):
+            if not consumer.is_done(seq):
                 self._index(seq, msg, loc)
-            last = max(last, seq)
-        self._next_seq = last + 1
+        consumer = consumer or ConsumerState()
+        last = self._log.last_seq
+        if consumer.watermark > last or any(s > last for s in consumer.done_above):
+            self._log.close()
+            raise DataDirError(f"{self._state_path}: consumer state is ahead of the log "
+                               f"(watermark {consumer.watermark}, last seq in the log "
+                               f"{last}); {RECOVERY}")
+        self._consumer = consumer
+        self._next_seq = max(consumer.watermark, last) + 1
+        # never below the clock, so that cursors stay monotonic even if state.json was reset
+        consumer.epoch = max(consumer.epoch + 1, int(time.time()))
+        self._deliveries = Deliveries(consumer.epoch)
+        try:
+            self._save_state()  # the new epoch; also marks the directory as initialised
+        except BaseException:
+            self._log.close()
+            raise
         self.counters["accepted_total"] = len(self._ids)
+        self.counters["quarantined_total"] = self._log.quarantined
         self._gc()
         log.info("queue at %s: %d pending, next seq %d", self.dir, len(self._entries),
                  self._next_seq)
@@ -378,9 +471,38 @@ class TrajectoryQueue:
                 self._ids.pop(tid, None)
             self._log.delete(first)
 
+    def _gc_or_storage_error(self) -> None:
+        try:
+            self._gc()
+        except OSError as e:  # retried by the next ack; the consumer state is saved already
+            raise StorageError(e.errno, f"data_dir {str(self.dir)!r}: could not retire "
+                                        f"consumed segments ({e.strerror or e})") from e
+
     def _save_state(self) -> None:
         # fsync=never: the rename alone survives a process crash (not a power cut)
-        self._consumer.save(self._state_path, fsync=self.settings.fsync != "never")
+        try:
+            self._consumer.save(self._state_path, fsync=self.settings.fsync != "never")
+        except OSError as e:
+            raise StorageError(e.errno, f"data_dir {str(self.dir)!r}: could not save the "
+                                        f"consumer state ({e.strerror or e})") from e
+
+    def _claim(self, consumer_id: str, take_over: bool) -> None:
+        """Holds (or renews) the consumer lease for ``consumer_id``; see the module docs."""
+        now = time.monotonic()
+        holder = self._holder
+        if holder is not None and holder != consumer_id:
+            idle = now - self._holder_seen
+            if not take_over and idle < self.settings.consumer_lease_s:
+                raise ConsumerLeaseError(
+                    f"consumer_id: must be the lease holder {holder!r} (active {idle:.0f}s "
+                    f"ago, lease {self.settings.consumer_lease_s:g}s) or pass take_over, "
+                    f"got {consumer_id!r}")
+            log.warning("consumer %r replaces %r (%s): its %d unacknowledged trajectories "
+                        "are pending again", consumer_id, holder,
+                        "take-over" if take_over else f"idle {idle:.0f}s",
+                        self._deliveries.unacked())
+            self._deliveries.requeue_all()
+        self._holder, self._holder_seen = consumer_id, now
 
     def _check_open(self) -> None:
         if self._closed:
@@ -420,12 +542,15 @@ class TrajectoryQueue:
                                   f"(the trainer last asked for version {trainer_v}; newer is "
                                   f"from the future), got {msg.policy_version!r}")
                 if bad is None:
-                    bad = self._groups.check(msg, staged)
+                    bad = self._groups.check(msg, staged, reply_bytes(len(raw)),
+                                             self.settings.max_reply_bytes)
                 if bad is not None:
                     result.rejected.append(Rejection(i, tid, bad.field, bad.message))
                     continue
                 seen.add(tid)
-                staged.setdefault(msg.group_id, [msg.group_size, msg.prompt_id, 0])[2] += 1
+                mine = staged.setdefault(msg.group_id, [msg.group_size, msg.prompt_id, 0, 0])
+                mine[2] += 1
+                mine[3] += reply_bytes(len(raw))
                 to_store.append((raw, msg))
             if to_store:
                 seq0 = self._next_seq
@@ -445,7 +570,8 @@ class TrajectoryQueue:
     # -- consumer side ------------------------------------------------------------------------
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout_s: float = 0.0, *, allow_partial: bool = False,
-                  redeliver_unacked: bool = False) -> BatchResult:
+                  redeliver_unacked: bool = False, consumer_id: str = "",
+                  take_over: bool = False) -> BatchResult:
         """Up to ``n`` trajectories in complete, fresh groups (see module docstring)."""
         if n <= 0:
             raise QueueRequestError(f"n: must be positive, got {n!r}")
@@ -455,6 +581,7 @@ class TrajectoryQueue:
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._lock:
             self._check_open()
+            self._claim(consumer_id, take_over)
             if redeliver_unacked:
                 self._deliveries.requeue_all()
             # the trainer's version / lag / batch size drive ShouldPause and survive restarts
@@ -476,13 +603,16 @@ class TrajectoryQueue:
                         break
                     self._cond.wait(remaining)
                     self._check_open()
+                    if self._holder != consumer_id:
+                        raise ConsumerLeaseError(f"consumer_id: {consumer_id!r} was replaced "
+                                                 f"by {self._holder!r} while waiting")
             finally:
                 self._waiting -= 1
             # deliver: read the payloads, mark them delivered under a new cursor
             if total < n and not allow_partial:
                 chosen = []
             entries = [e for g in chosen for e in sorted(g.members, key=lambda e: e.seq)]
-            size = sum(e.loc.length + 8 for e in entries)
+            size = sum(reply_bytes(e.loc.length) for e in entries)
             if size > self.settings.max_reply_bytes:
                 raise QueueRequestError(
                     f"n: a batch of {n} trajectories is {size} bytes, over the max message "
@@ -490,24 +620,25 @@ class TrajectoryQueue:
                     too_large=True)
             payloads = [e.payload if e.payload is not None else self._log.read(e.loc)
                         for e in entries]
-            cursor = self._deliveries.deliver(entries)
             self.counters["dropped_stale_total"] += dropped
             if changed or dropped:  # drops and the trainer version survive restarts
-                self._save_state()
+                self._save_state()  # before delivering: a failed save delivers nothing
+            cursor = self._deliveries.deliver(entries)
             if dropped:
-                self._gc()
+                self._gc_or_storage_error()
         hist = Counter(trainer_version - e.policy_version for e in entries)
         return BatchResult(payloads, cursor, dict(hist), dropped)
 
-    def ack(self, cursor: int) -> tuple[int, int]:
+    def ack(self, cursor: int, consumer_id: str = "") -> tuple[int, int]:
         """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""
         with self._lock:
             self._check_open()
+            self._claim(consumer_id, take_over=False)
             entries = self._deliveries.take_acked(cursor)
             self._consume(entries)
             self._save_state()
             self.counters["acked_total"] += len(entries)
-            self._gc()
+            self._gc_or_storage_error()
             return len(entries), self._consumer.watermark
 
     # -- control ------------------------------------------------------------------------------
@@ -524,7 +655,7 @@ class TrajectoryQueue:
         with self._lock:
             pending = len(self._pending())
             totals = ("accepted_total", "duplicates_total", "rejected_total", "acked_total",
-                      "dropped_stale_total")
+                      "dropped_stale_total", "quarantined_total")
             return {
                 "pending": pending,
                 "delivered_unacked": len(self._entries) - pending,
@@ -549,3 +680,4 @@ class TrajectoryQueue:
         self.shutdown()
         with self._lock:
             self._log.close()
+            self._dir_lock.release()

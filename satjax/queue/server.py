@@ -1,9 +1,10 @@
 """gRPC server of the trajectory queue: ``satjax serve-queue`` or :class:`QueueServer`.
 
 Every call except the standard health check must carry ``authorization: Bearer <token>``
-(checked in constant time); the health service is left open so that orchestrators can
-probe liveness without the secret, and it reveals nothing but SERVING/NOT_SERVING.
-Binds 127.0.0.1 unless told otherwise; TLS when given a certificate and key.
+(checked in constant time, from the metadata, before the request body is parsed); the
+health service is left open so that orchestrators can probe liveness without the secret,
+and it reveals nothing but SERVING/NOT_SERVING. Binds 127.0.0.1 unless told otherwise; TLS
+when given a certificate and key; another address in plaintext only with ``insecure``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import dataclasses
 import functools
 import hmac
+import ipaddress
 import logging
 import os
 import signal
@@ -35,12 +37,13 @@ from satjax.queue.codec import (
 )
 from satjax.queue.core import (
     BatchResult,
+    ConsumerLeaseError,
     QueueClosedError,
     QueueRequestError,
     QueueSettings,
     TrajectoryQueue,
 )
-from satjax.queue.store import FSYNC_POLICIES
+from satjax.queue.store import FSYNC_POLICIES, DataDirError, StorageError
 from satjax.queue.validation import Limits
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,9 @@ TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
 PUT_CHUNK_ITEMS = 64      # a Put stream is stored (and fsynced) in chunks of this many items
 PUT_CHUNK_BYTES = 32 << 20  # or of this many bytes
 MAX_WORKERS = 16
+MIN_TOKEN_CHARS = 16
+# trailing metadata that tells a client a RESOURCE_EXHAUSTED is the disk, not the message size
+ERROR_KIND_KEY, STORAGE_ERROR = "satjax-error", "storage"
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -72,9 +78,11 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
-            "stream" if handler.response_streaming else "unary")
-        return handler._replace(**{kind: deny})
+        # No deserializer: the body is refused as raw bytes, never parsed (a large
+        # unauthenticated message costs its transfer, not our CPU). A stream is not read.
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 def _serialize_batch(result: BatchResult) -> bytes:
@@ -99,7 +107,9 @@ def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
 
 
 def _guard(fn: Callable) -> Callable:
-    """Maps a closing queue to UNAVAILABLE, which clients retry (e.g. against a restart)."""
+    """Maps queue errors to status codes: a closing queue to UNAVAILABLE (clients retry,
+    e.g. against a restart), a failed write to RESOURCE_EXHAUSTED naming the data dir, a
+    lease conflict to FAILED_PRECONDITION."""
 
     @functools.wraps(fn)
     def wrapper(request, context):
@@ -107,6 +117,11 @@ def _guard(fn: Callable) -> Callable:
             return fn(request, context)
         except QueueClosedError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except StorageError as e:
+            context.set_trailing_metadata(((ERROR_KIND_KEY, STORAGE_ERROR),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e.strerror))
+        except ConsumerLeaseError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     return wrapper
 
@@ -161,14 +176,15 @@ class QueueService:
                 request.n, request.trainer_version,
                 request.max_lag if request.HasField("max_lag") else None,
                 request.timeout_s, allow_partial=request.allow_partial,
-                redeliver_unacked=request.redeliver_unacked)
+                redeliver_unacked=request.redeliver_unacked, consumer_id=request.consumer_id,
+                take_over=request.take_over)
         except QueueRequestError as e:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.too_large
                     else grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(code, str(e))
 
     def ack(self, request: pb2.AckRequest, context) -> pb2.AckReply:
-        acked, watermark = self.queue.ack(request.cursor)
+        acked, watermark = self.queue.ack(request.cursor, request.consumer_id)
         return pb2.AckReply(acked=acked, watermark=watermark)
 
     def stats(self, request: pb2.StatsRequest, context) -> pb2.StatsReply:
@@ -203,9 +219,12 @@ class QueueServer:
     def __init__(self, data_dir: str | Path, token: str, *,
                  settings: QueueSettings | None = None, tls_cert: str | Path | None = None,
                  tls_key: str | Path | None = None, max_message_mb: float = MAX_MESSAGE_MB,
-                 max_workers: int = MAX_WORKERS):
-        if not token:
-            raise ValueError(f"token: must be a non-empty bearer token, got {token!r}")
+                 max_workers: int = MAX_WORKERS, insecure: bool = False,
+                 reset_consumer_state: bool = False):
+        if len(token.strip()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"token: must be at least {MIN_TOKEN_CHARS} characters (e.g. "
+                             f"python -c 'import secrets; print(secrets.token_urlsafe(24))'), "
+                             f"got {len(token.strip())!r}")
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert/tls_key: must give both or neither, got only "
                              + ("tls_cert" if tls_cert is not None else "tls_key"))
@@ -216,15 +235,26 @@ class QueueServer:
         settings = dataclasses.replace(settings or QueueSettings(),
                                        max_reply_bytes=self.max_message_bytes - 1024)
         self.data_dir, self.token, self.settings = Path(data_dir), token, settings
-        self.tls = (Path(tls_cert).read_bytes(), Path(tls_key).read_bytes()) if tls_cert else None
-        self.max_workers = max_workers
+        self.tls = None
+        if tls_cert is not None and tls_key is not None:
+            self.tls = (_read_pem("tls_cert", tls_cert, b"CERTIFICATE"),
+                        _read_pem("tls_key", tls_key, b"PRIVATE KEY"))
+        self.max_workers, self.insecure = max_workers, insecure
+        self.reset_consumer_state = reset_consumer_state
         self.queue: TrajectoryQueue | None = None
         self._server: grpc.Server | None = None
         self.port: int | None = None
 
     def start(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Opens the queue and serves; returns the bound port (``port=0``: any free one)."""
-        self.queue = TrajectoryQueue(self.data_dir, self.settings)
+        if not self.tls and not _is_loopback(host):
+            if not self.insecure:
+                raise ValueError(f"host: a non-loopback address needs TLS (--tls-cert, "
+                                 f"--tls-key) or --insecure, got {host!r}")
+            log.warning("SERVING PLAINTEXT ON %s: the bearer token and every trajectory "
+                        "cross the network unencrypted (--insecure)", host)
+        self.queue = TrajectoryQueue(self.data_dir, self.settings,
+                                     reset_consumer_state=self.reset_consumer_state)
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", self.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
@@ -262,6 +292,27 @@ class QueueServer:
             self.queue = None
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_pem(name: str, path: str | Path, marker: bytes) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{name}: must be a readable PEM file, got {str(path)!r} "
+                         f"({e.strerror})") from None
+    if marker not in data:
+        raise ValueError(f"{name}: must be a PEM file holding a {marker.decode()}, "
+                         f"got {str(path)!r}")
+    return data
+
+
 def build_parser() -> argparse.ArgumentParser:
     # defaults: the run config's for fsync / max lag (via QueueSettings), the library's else
     d, limits = QueueSettings(), Limits()
@@ -279,9 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_lag of a GetBatch that does not set one")
     p.add_argument("--future-slack", type=int, default=d.future_slack)
     p.add_argument("--max-pending", type=int, default=d.max_pending)
-    p.add_argument("--num-experts", type=int)
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a plaintext bind on a non-loopback address")
+    p.add_argument("--reset-consumer-state", action="store_true",
+                   help="forget a missing or damaged state.json: every record still in the "
+                        "log is delivered again")
+    p.add_argument("--consumer-lease-s", type=float, default=d.consumer_lease_s,
+                   help="idle time after which another consumer may take over")
+    # the model's bounds (satjax train passes them); unset: not checked
     p.add_argument("--vocab-size", type=int)
-    p.add_argument("--max-tokens", type=int, default=limits.max_tokens)
+    p.add_argument("--num-experts", type=int)
+    p.add_argument("--moe-layers", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--max-seq-len", "--max-tokens", dest="max_seq_len", type=int,
+                   default=limits.max_seq_len, help="largest P + N")
     p.add_argument("--segment-mb", type=float, default=d.segment_bytes / (1 << 20))
     p.add_argument("--cache-mb", type=float, default=d.cache_bytes / (1 << 20),
                    help="recent trajectories kept in memory for GetBatch")
@@ -295,7 +358,11 @@ def _token(args: argparse.Namespace) -> str:
     if args.token:
         return args.token
     if args.token_file:
-        return Path(args.token_file).read_text().strip()
+        try:
+            return Path(args.token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"token_file: must be a readable file, got "
+                             f"{args.token_file!r} ({e.strerror})") from None
     return os.environ.get(TOKEN_ENV, "")
 
 
@@ -304,24 +371,39 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = _token(args)
+    try:
+        token = _token(args)
+    except ValueError as e:
+        print(f"serve-queue: {e}", file=sys.stderr)
+        return 2
     if not token:
         print(f"serve-queue: no token: give --token, --token-file or ${TOKEN_ENV}",
               file=sys.stderr)
         return 2
-    limits = Limits(max_tokens=args.max_tokens, num_experts=args.num_experts,
-                    vocab_size=args.vocab_size)
-    settings = QueueSettings(fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
-                             max_lag_default=args.max_lag_default,
-                             future_slack=args.future_slack, max_pending=args.max_pending,
-                             limits=limits, cache_bytes=int(args.cache_mb * (1 << 20)))
-    server = QueueServer(args.data_dir, token, settings=settings, tls_cert=args.tls_cert,
-                         tls_key=args.tls_key, max_message_mb=args.max_message_mb,
-                         max_workers=args.workers)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    port = server.start(args.port, args.host)
+    try:
+        limits = Limits(max_seq_len=args.max_seq_len, vocab_size=args.vocab_size,
+                        num_experts=args.num_experts, moe_layers=args.moe_layers,
+                        top_k=args.top_k, group_size=args.group_size)
+        settings = QueueSettings(
+            fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
+            max_lag_default=args.max_lag_default, future_slack=args.future_slack,
+            max_pending=args.max_pending, limits=limits,
+            cache_bytes=int(args.cache_mb * (1 << 20)), consumer_lease_s=args.consumer_lease_s)
+        server = QueueServer(args.data_dir, token, settings=settings, tls_cert=args.tls_cert,
+                             tls_key=args.tls_key, max_message_mb=args.max_message_mb,
+                             max_workers=args.workers, insecure=args.insecure,
+                             reset_consumer_state=args.reset_consumer_state)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        port = server.start(args.port, args.host)
+    except ValueError as e:  # a bad flag value
+        print(f"serve-queue: {e}", file=sys.stderr)
+        return 2
+    except (DataDirError, OSError) as e:  # the data dir or the port cannot be used as is
+        print(f"serve-queue: {e.strerror if isinstance(e, StorageError) else e}",
+              file=sys.stderr)
+        return 1
     print(f"satjax-queue listening on {args.host}:{port}", flush=True)
     while not stop.wait(0.5):
         pass

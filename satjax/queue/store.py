@@ -2,20 +2,30 @@
 
 Layout of ``data_dir``::
 
+    LOCK                             flock held by the one server of this directory (its pid)
     seg-<first seq, 20 digits>.log   records: u32 length | u32 crc32 | u64 seq | payload
     state.json                       consumer state (watermark, acks above it, versions),
-                                     replaced atomically (temp + fsync + rename + dir fsync)
+                                     replaced atomically (temp + fsync + rename + dir fsync);
+                                     written when the directory is created, so a log without
+                                     it means the file was lost
     retired_ids.jsonl                ids of garbage-collected records (de-duplication memory)
+    quarantine/                      bytes of damaged records found mid-log, set aside
 
-``length`` counts the payload, ``crc32`` covers seq and payload. A record whose header or
-checksum does not verify ends its segment: after ``kill -9`` that is a torn tail, which is
-truncated away on open. Records are written before the Put that carried them replies; the
-fsync policy decides when they reach the disk (see docs/queue.md).
+``length`` counts the payload, ``crc32`` covers seq and payload; seqs increase along the log
+(gaps are allowed: a quarantined record leaves one). A record whose header or checksum does
+not verify is either damage in the middle of a segment (an intact record follows: the bytes
+up to it are copied to ``quarantine/`` and skipped) or a torn tail after ``kill -9``
+(nothing intact follows: truncated away on open). Records are written before the Put that
+carried them replies; the fsync policy decides when they reach the disk (docs/queue.md). A
+failed write is rolled back (the segment is cut back to its last whole record) so that the
+log stays well-formed and the next append, once the disk has room, just works.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -33,6 +43,41 @@ HEADER = struct.Struct("<IIQ")  # payload length, crc32(seq + payload), seq
 SEQ = struct.Struct("<Q")
 FSYNC_POLICIES = ("always", "batch", "never")
 MAX_RECORD_BYTES = 1 << 31
+STATE_FILE = "state.json"
+
+
+class DataDirError(RuntimeError):
+    """The data directory cannot be served as it is; the message says why and what to do."""
+
+
+class StorageError(OSError):
+    """A write failed (disk full, I/O error) and was rolled back: nothing of it is stored."""
+
+
+class DirLock:
+    """Exclusive ``flock`` on ``data_dir/LOCK``: one server per data directory.
+
+    The kernel drops the lock with the process (``kill -9`` included), so a stale LOCK file
+    never blocks a successor; the pid written into it only names the holder in the refusal.
+    """
+
+    def __init__(self, data_dir: Path):
+        path = data_dir / "LOCK"
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise DataDirError(f"data_dir {str(data_dir)!r}: already served by pid {holder} "
+                               f"(it holds {path.name}); stop that server first") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = -1
 
 
 @dataclasses.dataclass
@@ -65,7 +110,10 @@ class SegmentLog:
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self.segments: dict[int, Segment] = {}
+        self.quarantined = 0             # damaged regions set aside by replay
         self._write_fd: int | None = None
+        self._write_seg: int | None = None  # first_seq of the segment _write_fd appends to
+        self._cut_pending = False         # a failed write left bytes past the last record
         self._dirty = False
         self._io_lock = threading.Lock()  # serialises the background fsync with appends
         self._stop = threading.Event()
@@ -76,43 +124,60 @@ class SegmentLog:
 
     # -- opening and replay ---------------------------------------------------------------
     def replay(self) -> Iterator[tuple[int, Location, bytes]]:
-        """Yields (seq, location, payload) of every valid record; truncates torn tails.
+        """Yields (seq, location, payload) of every intact record, quarantining mid-log
+        damage and truncating torn tails.
 
         Must be consumed fully before appending; opens the last segment for appends.
         """
         paths = sorted(self.dir.glob("seg-*.log"))
+        last = 0
         for path in paths:
             first = int(path.stem.split("-")[1])
             seg = Segment(path, first, first - 1, 0, os.open(path, os.O_RDONLY))
             self.segments[first] = seg
-            yield from self._scan(seg)
+            for record in self._scan(seg, max(last, first - 1)):
+                last = record[0]
+                yield record
         if self.segments:
-            last = self.segments[max(self.segments)]
-            self._write_fd = os.open(last.path, os.O_WRONLY | os.O_APPEND)
+            self._open_for_append(max(self.segments))
         if self._syncer is not None:
             self._syncer.start()
 
-    def _scan(self, seg: Segment) -> Iterator[tuple[int, Location, bytes]]:
-        file_size = os.fstat(seg.read_fd).st_size
-        offset = 0
-        expected = seg.first_seq
-        while offset < file_size:
-            header = os.pread(seg.read_fd, HEADER.size, offset)
-            if len(header) < HEADER.size:
-                break
-            length, crc, seq = HEADER.unpack(header)
-            if seq != expected or offset + HEADER.size + length > file_size:
-                break
-            payload = os.pread(seg.read_fd, length, offset + HEADER.size)
-            if len(payload) != length or zlib.crc32(payload, zlib.crc32(SEQ.pack(seq))) != crc:
-                break
-            yield seq, Location(seg.first_seq, offset + HEADER.size, length), payload
+    def _record_at(self, buf: bytes | memoryview, pos: int, after: int
+                   ) -> tuple[int, int] | None:
+        """(seq, payload length) of an intact record at ``pos`` of ``buf`` with seq > after."""
+        if pos + HEADER.size > len(buf):
+            return None
+        length, crc, seq = HEADER.unpack_from(buf, pos)
+        end = pos + HEADER.size + length
+        if seq <= after or end > len(buf):
+            return None
+        if zlib.crc32(buf[pos + HEADER.size:end], zlib.crc32(SEQ.pack(seq))) != crc:
+            return None
+        return seq, length
+
+    def _scan(self, seg: Segment, after: int) -> Iterator[tuple[int, Location, bytes]]:
+        buf = memoryview(os.pread(seg.read_fd, os.fstat(seg.read_fd).st_size, 0))
+        offset, last = 0, after
+        while offset < len(buf):
+            record = self._record_at(buf, offset, last)
+            if record is None:
+                resume = next((p for p in range(offset + 1, len(buf) - HEADER.size + 1)
+                               if self._record_at(buf, p, last) is not None), None)
+                if resume is None:
+                    break  # nothing intact follows: a torn tail
+                self._quarantine(seg, offset, buf[offset:resume])
+                offset = resume
+                continue
+            seq, length = record
+            yield seq, Location(seg.first_seq, offset + HEADER.size, length), bytes(
+                buf[offset + HEADER.size:offset + HEADER.size + length])
             offset += HEADER.size + length
-            expected += 1
-        seg.size, seg.last_seq = offset, expected - 1
-        if offset < file_size:
+            last = seq
+        seg.size, seg.last_seq = offset, max(last, seg.first_seq - 1)
+        if offset < len(buf):
             log.warning("%s: invalid record at byte %d of %d (torn tail): truncating",
-                        seg.path.name, offset, file_size)
+                        seg.path.name, offset, len(buf))
             os.truncate(seg.path, offset)
             fd = os.open(seg.path, os.O_WRONLY)
             try:
@@ -120,52 +185,119 @@ class SegmentLog:
             finally:
                 os.close(fd)
 
+    def _quarantine(self, seg: Segment, offset: int, damaged: memoryview) -> None:
+        """Copies a damaged region aside; the intact records around it stay in the log."""
+        qdir = self.dir / "quarantine"
+        qdir.mkdir(exist_ok=True)
+        target = qdir / f"{seg.path.stem}-at-{offset}.bin"
+        atomic_write(target, bytes(damaged), mode=0o600)
+        self.quarantined += 1
+        log.error("%s: damaged record at byte %d (%d bytes): copied to %s and skipped; the "
+                  "intact records after it are kept", seg.path.name, offset, len(damaged),
+                  target)
+
     # -- appends ------------------------------------------------------------------------
+    def _open_for_append(self, first_seq: int) -> None:
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+        self._write_fd = os.open(self.segments[first_seq].path, os.O_WRONLY | os.O_APPEND)
+        self._write_seg = first_seq
+
     def _roll(self, first_seq: int) -> Segment:
         if self._write_fd is not None:
             if self.fsync != "never":
                 os.fsync(self._write_fd)
             os.close(self._write_fd)
+            self._write_fd = self._write_seg = None
         path = self.dir / f"seg-{first_seq:020d}.log"
-        self._write_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        if self.fsync != "never":
-            fsync_dir(self.dir)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         seg = Segment(path, first_seq, first_seq - 1, 0, os.open(path, os.O_RDONLY))
         self.segments[first_seq] = seg
+        self._write_fd, self._write_seg = fd, first_seq
+        if self.fsync != "never":
+            fsync_dir(self.dir)
         return seg
 
     def append(self, first_seq: int, payloads: list[bytes]) -> list[Location]:
-        """Writes records ``first_seq, first_seq+1, ...``; durable per the fsync policy."""
+        """Writes records ``first_seq, first_seq+1, ...``; durable per the fsync policy.
+
+        All or nothing: on a failed write (:class:`StorageError`) nothing of it is kept.
+        """
+        for payload in payloads:
+            if len(payload) >= MAX_RECORD_BYTES:
+                raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
+                                 f"got {len(payload)!r}")
         locations = []
         with self._io_lock:
-            for i, payload in enumerate(payloads):
-                if len(payload) >= MAX_RECORD_BYTES:
-                    raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
-                                     f"got {len(payload)!r}")
-                seq = first_seq + i
-                seg = self.segments[max(self.segments)] if self.segments else None
-                if seg is None or (seg.size > 0 and seg.size >= self.segment_bytes):
-                    seg = self._roll(seq)
-                if seq != seg.last_seq + 1:
-                    raise RuntimeError(f"seq {seq} does not follow {seg.last_seq}")
-                crc = zlib.crc32(payload, zlib.crc32(SEQ.pack(seq)))
-                assert self._write_fd is not None
-                write_all(self._write_fd, HEADER.pack(len(payload), crc, seq))
-                write_all(self._write_fd, payload)
-                locations.append(Location(seg.first_seq, seg.size + HEADER.size, len(payload)))
-                seg.size += HEADER.size + len(payload)
-                seg.last_seq = seq
-            if self.fsync == "always" and self._write_fd is not None:
-                os.fsync(self._write_fd)
+            active = self.active_segment
+            before = (self.segments[active].size, self.segments[active].last_seq) if (
+                active is not None) else None
+            try:
+                self._finish_cut()
+                for i, payload in enumerate(payloads):
+                    seq = first_seq + i
+                    seg = self.segments[max(self.segments)] if self.segments else None
+                    if seg is None or (seg.size > 0 and seg.size >= self.segment_bytes):
+                        seg = self._roll(seq)
+                    if seq <= seg.last_seq:
+                        raise RuntimeError(f"seq {seq} does not follow {seg.last_seq}")
+                    crc = zlib.crc32(payload, zlib.crc32(SEQ.pack(seq)))
+                    assert self._write_fd is not None
+                    write_all(self._write_fd, HEADER.pack(len(payload), crc, seq))
+                    write_all(self._write_fd, payload)
+                    locations.append(Location(seg.first_seq, seg.size + HEADER.size,
+                                              len(payload)))
+                    seg.size += HEADER.size + len(payload)
+                    seg.last_seq = seq
+                if self.fsync == "always" and self._write_fd is not None:
+                    os.fsync(self._write_fd)
+            except OSError as e:
+                self._roll_back(active, before)
+                raise StorageError(e.errno or errno.EIO, (
+                    f"data_dir {str(self.dir)!r}: write failed ({e.strerror or e}); nothing of "
+                    f"this put was stored, retry once the disk has room")) from e
             self._dirty = True
         return locations
+
+    def _roll_back(self, active: int | None, before: tuple[int, int] | None) -> None:
+        """Forgets segments created by a failed append and cuts the old active one back."""
+        for first in [k for k in self.segments if active is None or k > active]:
+            seg = self.segments.pop(first)
+            os.close(seg.read_fd)
+            if self._write_seg == first and self._write_fd is not None:
+                os.close(self._write_fd)
+                self._write_fd = self._write_seg = None
+            seg.path.unlink(missing_ok=True)
+        if active is None or before is None:
+            return
+        seg = self.segments[active]
+        seg.size, seg.last_seq = before
+        self._cut_pending = True
+        try:
+            if self._write_seg != active:
+                self._open_for_append(active)
+            self._finish_cut()
+        except OSError as e:  # retried before the next append
+            log.error("%s: could not cut back a failed write yet: %s", seg.path.name, e)
+
+    def _finish_cut(self) -> None:
+        if not self._cut_pending:
+            return
+        assert self._write_fd is not None and self._write_seg is not None
+        os.ftruncate(self._write_fd, self.segments[self._write_seg].size)
+        if self.fsync != "never":
+            os.fsync(self._write_fd)
+        self._cut_pending = False
 
     def _sync_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             with self._io_lock:
                 if self._dirty and self._write_fd is not None:
-                    os.fsync(self._write_fd)
-                    self._dirty = False
+                    try:
+                        os.fsync(self._write_fd)
+                        self._dirty = False
+                    except OSError as e:  # stays dirty: retried next interval
+                        log.error("%s: background fsync failed: %s", self.dir, e)
 
     # -- reads and garbage collection -----------------------------------------------------
     def read(self, loc: Location) -> bytes:
@@ -174,6 +306,11 @@ class SegmentLog:
     @property
     def active_segment(self) -> int | None:
         return max(self.segments) if self.segments else None
+
+    @property
+    def last_seq(self) -> int:
+        """Largest seq in the log (0 when it holds no record)."""
+        return max((s.last_seq for s in self.segments.values() if s.size), default=0)
 
     def delete(self, first_seq: int) -> None:
         """Removes a (fully consumed, inactive) segment."""
@@ -195,9 +332,12 @@ class SegmentLog:
         with self._io_lock:
             if self._write_fd is not None:
                 if self.fsync != "never":
-                    os.fsync(self._write_fd)
+                    try:
+                        os.fsync(self._write_fd)
+                    except OSError as e:
+                        log.error("%s: final fsync failed: %s", self.dir, e)
                 os.close(self._write_fd)
-                self._write_fd = None
+                self._write_fd = self._write_seg = None
             for seg in self.segments.values():
                 os.close(seg.read_fd)
             self.segments.clear()
@@ -209,6 +349,8 @@ class ConsumerState:
 
     watermark: every seq <= watermark is consumed (acked or dropped as stale).
     done_above: consumed seqs > watermark (groups complete out of order).
+    epoch: raised at every open (to at least the unix time), so cursors of an earlier
+    server life never match new ones.
     """
 
     watermark: int = 0
@@ -216,6 +358,7 @@ class ConsumerState:
     trainer_version: int = -1
     max_lag: int = -1
     batch_n: int = 0
+    epoch: int = 0
 
     def mark_done(self, seq: int) -> None:
         if seq > self.watermark:
@@ -230,16 +373,28 @@ class ConsumerState:
     def save(self, path: Path, *, fsync: bool = True) -> None:
         body = {"format": 1, "watermark": self.watermark, "done_above": sorted(self.done_above),
                 "trainer_version": self.trainer_version, "max_lag": self.max_lag,
-                "batch_n": self.batch_n}
+                "batch_n": self.batch_n, "epoch": self.epoch}
         atomic_write(path, json.dumps(body).encode(), fsync=fsync, mode=0o600)
 
     @classmethod
     def load(cls, path: Path) -> ConsumerState:
-        if not path.exists():
-            return cls()
-        body = json.loads(path.read_text())
-        return cls(int(body["watermark"]), set(body["done_above"]), int(body["trainer_version"]),
-                   int(body["max_lag"]), int(body["batch_n"]))
+        """The state in ``path``; :class:`DataDirError` when it is unreadable or damaged."""
+        try:
+            body = json.loads(path.read_text())
+            state = cls(int(body["watermark"]), {int(s) for s in body["done_above"]},
+                        int(body["trainer_version"]), int(body["max_lag"]),
+                        int(body["batch_n"]), int(body.get("epoch", 0)))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise DataDirError(f"{path}: consumer state is damaged ({type(e).__name__}: {e}); "
+                               f"{RECOVERY}") from None
+        if state.watermark < 0 or any(s <= state.watermark for s in state.done_above):
+            raise DataDirError(f"{path}: consumer state is inconsistent (watermark "
+                               f"{state.watermark!r}); {RECOVERY}")
+        return state
+
+
+RECOVERY = ("restore the file from a backup, or start the server once with "
+            "--reset-consumer-state to deliver every record still in the log again")
 
 
 class RetiredIds:

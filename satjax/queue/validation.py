@@ -23,19 +23,32 @@ from satjax.queue.codec import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+# the trainer computes in float32: a float64 value beyond this is inf there
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 TrajectoryLike = pb2.Trajectory | TrajectoryView  # same attribute names
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Server-side bounds. ``num_experts``/``vocab_size`` None: only shape-consistency checks."""
+    """Server-side bounds. The model's (``vocab_size`` ... ``group_size``) are None unless
+    the run gives them; then only shape-consistency checks apply to that dimension."""
 
-    max_tokens: int = 131072          # P + N
+    max_seq_len: int = 131072         # P + N
     max_group_size: int = 4096
     max_id_chars: int = 256
-    num_experts: int | None = None
-    vocab_size: int | None = None
+    vocab_size: int | None = None     # token ids must be < vocab_size
+    num_experts: int | None = None    # expert ids must be < num_experts (E)
+    moe_layers: int | None = None     # routes / router logits have this many layers (L)
+    top_k: int | None = None          # routes have this many experts per token (k)
+    group_size: int | None = None     # the run's group size: every group has exactly it
     logprob_tolerance: float = 1e-4   # log-probs may exceed 0 by this much (fp rounding)
+
+    def __post_init__(self):
+        for name in ("max_seq_len", "max_group_size", "max_id_chars", "vocab_size",
+                     "num_experts", "moe_layers", "top_k", "group_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +80,21 @@ def _check_ids(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     if not 1 <= msg.group_size <= limits.max_group_size:
         return Problem("group_size", f"group_size: must be in [1, {limits.max_group_size}], "
                                      f"got {msg.group_size!r}")
+    if limits.group_size is not None and msg.group_size != limits.group_size:
+        return Problem("group_size", f"group_size: must be the run's group size "
+                                     f"{limits.group_size}, got {msg.group_size!r}")
     if msg.policy_version < 0:
         return Problem("policy_version", f"policy_version: must be >= 0, "
                                          f"got {msg.policy_version!r}")
     if msg.finish_reason not in FINISH_REASONS:
         return Problem("finish_reason", f"finish_reason: must be one of {FINISH_REASONS}, "
                                         f"got {msg.finish_reason!r}")
-    if not math.isfinite(msg.reward):
-        return Problem("reward", f"reward: must be finite, got {msg.reward!r}")
+    if not abs(msg.reward) <= FLOAT32_MAX:
+        return Problem("reward", f"reward: must be finite in float32, got {msg.reward!r}")
     for key, value in msg.reward_details.items():
-        if not math.isfinite(value):
-            return Problem("reward_details", f"reward_details[{key!r}]: must be finite, "
-                                             f"got {value!r}")
+        if not abs(value) <= FLOAT32_MAX:
+            return Problem("reward_details", f"reward_details[{key!r}]: must be finite in "
+                                             f"float32, got {value!r}")
     t = msg.timing
     for name in ("created_unix", "generation_seconds"):
         value = getattr(t, name)
@@ -105,9 +121,9 @@ def _check_tokens(msg: TrajectoryLike, limits: Limits) -> tuple[int, int, Proble
     if n == 0:
         return p, n, Problem("response_tokens",
                              "response_tokens: must be non-empty, got 0 tokens")
-    if p + n > limits.max_tokens:
-        return p, n, Problem("response_tokens", f"response_tokens: P+N must be <= max_tokens "
-                                                f"{limits.max_tokens}, got {p + n!r}")
+    if p + n > limits.max_seq_len:
+        return p, n, Problem("response_tokens", f"response_tokens: P+N must be <= max_seq_len "
+                                                f"{limits.max_seq_len}, got {p + n!r}")
     for name, arr in (("prompt_tokens", prompt), ("response_tokens", response)):
         if arr.min() < 0:
             return p, n, Problem(name, f"{name}: token ids must be >= 0, got {int(arr.min())!r}")
@@ -151,6 +167,10 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
         bad = _shape("router_logits", lg.shape, lg.data, LOGIT_DTYPES[lg.dtype], rows)
         if bad:
             return bad
+        if limits.moe_layers is not None and lg.shape[1] != limits.moe_layers:
+            return Problem("router_logits", f"router_logits.shape: L must be the server's "
+                                            f"moe_layers {limits.moe_layers}, "
+                                            f"got {lg.shape[1]!r}")
         logits_e = lg.shape[2]
         if num_experts is not None and logits_e != num_experts:
             return Problem("router_logits", f"router_logits.shape: E must be the server's "
@@ -166,6 +186,12 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
     bad = _shape("routed_experts", r.shape, r.data, ROUTE_DTYPES[r.dtype], rows)
     if bad:
         return bad
+    if limits.moe_layers is not None and r.shape[1] != limits.moe_layers:
+        return Problem("routed_experts", f"routed_experts.shape: L must be the server's "
+                                         f"moe_layers {limits.moe_layers}, got {r.shape[1]!r}")
+    if limits.top_k is not None and r.shape[2] != limits.top_k:
+        return Problem("routed_experts", f"routed_experts.shape: k must be the server's top_k "
+                                         f"{limits.top_k}, got {r.shape[2]!r}")
     if msg.HasField("router_logits") and msg.router_logits.shape[1] != r.shape[1]:
         return Problem("router_logits", f"router_logits.shape: L must equal routed_experts' "
                                         f"{r.shape[1]}, got {msg.router_logits.shape[1]!r}")

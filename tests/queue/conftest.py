@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import queue_testlib
 
+from satjax.queue.client import QueueClient
+from satjax.queue.server import QueueServer
+
 REPO = Path(__file__).resolve().parents[2]
 PRODUCER = Path(__file__).resolve().parent / "producer.py"
 
@@ -88,6 +91,21 @@ def start_server(subprocess_env):
 
 
 @pytest.fixture
+def serve_queue_refusal(subprocess_env):
+    """``serve_queue_refusal(data_dir, *flags)``: runs ``satjax serve-queue`` expecting it to
+    refuse to start; returns the CompletedProcess (the test checks its code and stderr)."""
+
+    def run(data_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "satjax", "serve-queue", "--port", "0", "--data-dir",
+             str(data_dir), "--log-level", "WARNING", *extra],
+            env={**subprocess_env, "SATJAX_QUEUE_TOKEN": queue_testlib.TOKEN},
+            capture_output=True, text=True, timeout=60)
+
+    return run
+
+
+@pytest.fixture
 def start_producer(subprocess_env):
     """``start_producer(address, prefix, count, log, batch=4, group_size=2)``: runs
     ``producer.py``, which logs every id the server acknowledged to ``log``."""
@@ -99,3 +117,48 @@ def start_producer(subprocess_env):
              "--log", str(log)], env=subprocess_env)
 
     return start
+
+
+class Harness:
+    """Starts/restarts an in-process server on one data dir; hands out clients."""
+
+    def __init__(self, data_dir, token, **kw):
+        self.data_dir, self.token, self.kw = data_dir, token, kw
+        self.server = None
+        self.clients = []
+
+    def start(self):
+        self.server = QueueServer(self.data_dir, self.token, **self.kw)
+        self.port = self.server.start(0)
+        return self.client()
+
+    def client(self, token=None, **kw):
+        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retries=0, **kw)
+        self.clients.append(c)
+        return c
+
+    def restart(self):
+        self.server.stop(None)
+        return self.start()
+
+    def close(self):
+        for c in self.clients:
+            c.close()
+        if self.server is not None:
+            self.server.stop(None)
+
+
+@pytest.fixture
+def harness(tmp_path, token):
+    """``harness(**QueueServer_kw)`` -> (Harness, client): an in-process server on a fresh
+    data dir, stopped (with its clients) after the test."""
+    made = []
+
+    def make(**kw):
+        h = Harness(tmp_path / f"q{len(made)}", token, **kw)
+        made.append(h)
+        return h, h.start()
+
+    yield make
+    for h in made:
+        h.close()

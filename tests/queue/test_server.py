@@ -22,49 +22,6 @@ from satjax.queue.server import QueueServer
 from satjax.queue.validation import Limits
 
 
-class Harness:
-    """Starts/restarts an in-process server on one data dir; hands out clients."""
-
-    def __init__(self, data_dir, token, **kw):
-        self.data_dir, self.token, self.kw = data_dir, token, kw
-        self.server = None
-        self.clients = []
-
-    def start(self):
-        self.server = QueueServer(self.data_dir, self.token, **self.kw)
-        self.port = self.server.start(0)
-        return self.client()
-
-    def client(self, token=None, **kw):
-        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retries=0, **kw)
-        self.clients.append(c)
-        return c
-
-    def restart(self):
-        self.server.stop(None)
-        return self.start()
-
-    def close(self):
-        for c in self.clients:
-            c.close()
-        if self.server is not None:
-            self.server.stop(None)
-
-
-@pytest.fixture
-def harness(tmp_path, token):
-    made = []
-
-    def make(**kw):
-        h = Harness(tmp_path / f"q{len(made)}", token, **kw)
-        made.append(h)
-        return h, h.start()
-
-    yield make
-    for h in made:
-        h.close()
-
-
 def ids(batch):
     return sorted(t.trajectory_id for t in batch.trajectories)
 
@@ -187,7 +144,7 @@ def _mutations():
 
 
 def test_every_validation_rule_rejects_only_the_bad_item(harness, make_traj, to_proto):
-    limits = Limits(max_tokens=30, num_experts=8, vocab_size=1000)
+    limits = Limits(max_seq_len=30, num_experts=8, vocab_size=1000)
     h, client = harness(settings=QueueSettings(limits=limits))
     mutations = _mutations()
     stream, expected = [], {}
@@ -275,7 +232,7 @@ def test_message_size_limit(harness, make_traj):
     h, client = harness(max_message_mb=1)
     big = make_traj("big", "big", p=100, n=1000, layers=48, k=8, experts=128)
     # 1099 rows x 48 x 8 uint8 = 422 KB: fits one message, three do not fit one reply
-    assert client.put([dataclasses.replace(big, trajectory_id=f"b{i}", group_size=3)
+    assert client.put([dataclasses.replace(big, trajectory_id=f"b{i}", group_id=f"b{i}")
                        for i in range(3)]).ok
     with pytest.raises(QueueTooLargeError, match="max message size"):
         client.get_batch(3, 0)
@@ -397,8 +354,10 @@ def test_redeliver_unacked_without_restart_and_out_of_order_acks(harness, make_g
     client.put(make_group("b", 2))          # seq 2, 3
     b = client.get_batch(2, 0)
     assert ids(b) == ["b-0", "b-1"]
-    assert client.get_batch(2, 0, redeliver_unacked=True).cursor == b.cursor
-    client.ack(b.cursor)
+    again = client.get_batch(2, 0, redeliver_unacked=True)
+    assert ids(again) == ids(b) and again.cursor > b.cursor
+    assert client.ack(b.cursor) == 0  # the first delivery was taken back
+    assert client.ack(again.cursor) == 2
     assert client.stats()["watermark"] == 0  # seq 1 still pending
     client.put(a[1:])
     ba = client.get_batch(2, 0)
@@ -447,7 +406,7 @@ def test_segments_roll_and_are_garbage_collected(harness, make_traj):
     r = client.put([make_traj("t3", "g3"), make_traj("new", "n")])  # t3 was GC'd: still a dup
     assert r.duplicates == ["t3"]
     batch = client.get_batch(1, 0)
-    assert ids(batch) == ["new"] and batch.cursor == 13  # sequence numbers keep growing
+    assert ids(batch) == ["new"] and client.stats()["next_seq"] == 14  # seqs keep growing
 
 
 def test_unavailable_is_retried_then_reported(tmp_path, token):
