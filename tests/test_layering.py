@@ -5,6 +5,9 @@ and checked against the table below, so a new upward import fails here, not in r
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,11 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from satjax.app.run import run_train\n")
     assert "satjax.app.run" in _imports(f)
+
+
+def test_the_train_library_does_not_load_the_app_even_transitively():
+    code = ("import sys, satjax.train.trainer, satjax.train.metrics, satjax.train.checkpoint; "
+            "sys.exit(sorted(m for m in sys.modules if m.startswith('satjax.app')) or 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(SATJAX.parent), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
