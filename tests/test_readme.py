@@ -2,8 +2,6 @@
 step, every ``satjax`` command parses with the command's own parser and its config loads,
 and the sample progress bar is what a run draws."""
 
-import argparse
-import importlib
 import re
 import shlex
 from pathlib import Path
@@ -61,32 +59,8 @@ def _readme_commands() -> list[list[str]]:
     return commands
 
 
-class _Parsed(Exception):
-    """Raised instead of parsing: carries the command's own parser and its argv."""
-
-
-def _parse_like_the_cli(argv: list[str], monkeypatch) -> argparse.Namespace:
-    """Parses ``satjax <argv>`` with the parser the command itself builds, without running
-    it: the command is called with ``parse_args`` swapped for one that hands its parser
-    back."""
-    from satjax.app.cli import COMMANDS
-
-    parse = argparse.ArgumentParser.parse_args
-
-    def capture(self, args=None, namespace=None):
-        raise _Parsed(self, args)
-
-    module, func, _ = COMMANDS[argv[0]]
-    with monkeypatch.context() as m:
-        m.setattr(argparse.ArgumentParser, "parse_args", capture)
-        try:
-            getattr(importlib.import_module(module), func)(argv[1:])
-        except _Parsed as e:
-            parser, args = e.args
-    return parse(parser, args)
-
-
-def test_readme_lists_every_command_and_each_example_parses_and_loads(monkeypatch):
+def test_readme_lists_every_command_and_each_example_parses_and_loads(monkeypatch,
+                                                                      command_parser):
     from satjax.app import lag_sweep
     from satjax.app.cli import COMMANDS
     from satjax.config import load_config
@@ -100,7 +74,7 @@ def test_readme_lists_every_command_and_each_example_parses_and_loads(monkeypatc
     commands = _readme_commands()
     assert {c[0] for c in commands} >= {"train", "eval", "lag-sweep"}
     for argv in commands:
-        args = _parse_like_the_cli(argv, monkeypatch)
+        args = command_parser(argv[0]).parse_args(argv[1:])
         if argv[0] == "lag-sweep":
             spec = lag_sweep.RunSpec("gspo", 1, 0)
             lag_sweep.run_config(spec, args.config, args.overrides, "out", "warmup", 3, None)
