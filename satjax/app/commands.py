@@ -38,7 +38,8 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     """The options every config-driven command takes (--config, --set, --no-progress)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", default=None,
-                   help="YAML config (default: the built-in defaults, i.e. configs/tiny.yaml)")
+                   help="YAML config (default: the built-in defaults, i.e. configs/tiny.yaml; "
+                        "eval: the run's config.yaml if run_dir has one)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable), e.g. --set train.steps=50 "
                         "--set objective.hparams.lam=0.5")
@@ -219,6 +220,12 @@ def evaluate(argv: list[str]) -> int:
                    help="held-out prompts to score (default: the config's eval.num_prompts)")
     args = p.parse_args(argv)
     cfg = load(p, args)
+    saved = RunDirs(cfg.run_dir).config
+    if args.config is None and saved.is_file():  # score the run with the run's own task
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            fail(p, str(e))
     for flag, value in (("--k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             fail(p, f"{flag}: must be >= 1, got {value!r}")
