@@ -154,9 +154,6 @@ def train(argv: list[str]) -> int:
     dirs = RunDirs(cfg.run_dir)
     if args.resume:
         cfg = resume_config(p, args, cfg)
-    elif dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
-        fail(p, f"run_dir {cfg.run_dir!r}: already holds a run (checkpoints); pass --resume "
-                "to continue it or choose another run_dir")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from satjax.app.run import run_train
 
@@ -164,6 +161,8 @@ def train(argv: list[str]) -> int:
     try:
         outcome = run_train(cfg, resume=args.resume, progress=not args.no_progress,
                             log_every=args.log_every)
+    except FileExistsError as e:  # a fresh start into a run's directory (checked first)
+        fail(p, str(e))
     except KeyboardInterrupt:  # before the RL loop's own handler (warm-up, start-up)
         print(f"satjax train: interrupted before the first RL step of this start; "
               f"{_checkpoint_note(dirs)}; {cont}", file=sys.stderr)

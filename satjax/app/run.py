@@ -74,7 +74,8 @@ class Progress:
                  log_every: int = 10) -> None:
         self.desc, self.total, self.log_every = desc, total, max(1, log_every)
         self.enabled = enabled
-        # smoothing=0: the rate is (n - initial) / elapsed, which `_first_done` resets
+        # smoothing=0: the rate is (n - initial) / elapsed; update() restarts both after
+        # the first step
         self.bar = tqdm(total=total, initial=initial, desc=desc, disable=not enabled,
                         smoothing=0)
         self.n = initial
@@ -188,6 +189,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     from satjax.queue.client import QueueClient  # imported late: grpc is heavy
 
     dirs = RunDirs(cfg.run_dir)
+    if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
+        # checked here too (the Trainer does) so that this run's config.yaml is never
+        # written over the one of the run that is there
+        raise FileExistsError(f"run_dir {cfg.run_dir!r}: already has checkpoints; pass "
+                              "--resume to continue it or choose another run_dir")
     dirs.root.mkdir(parents=True, exist_ok=True)
     # written first: the workers build their pieces from it and --resume reloads it
     dirs.config.write_text(dump_config(cfg))

@@ -91,11 +91,14 @@ def test_resume_refuses_changing_what_the_run_is(satjax_cli, tmp_path):
 
 
 def test_fresh_start_into_an_existing_run_is_refused(satjax_cli, tmp_path):
-    run = _saved_run(tmp_path)
+    run = _saved_run(tmp_path)  # 1-digit; the new start asks for 2
     (run / "checkpoints" / "3").mkdir(parents=True)
-    r = satjax_cli("train", "--set", f"run_dir={run}")
+    r = satjax_cli("train", "--set", f"run_dir={run}", "--set", "task.max_digits=2")
     assert r.returncode == 2
-    assert "already holds a run" in r.stderr and "--resume" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"satjax train: error: run_dir '{run}': already has checkpoints")
+    assert "--resume" in last and "Traceback" not in r.stderr
+    assert load_config(run / "config.yaml").task.max_digits == 1  # left as it was
 
 
 def test_version_and_help(satjax_cli):
