@@ -1,9 +1,10 @@
 """Run configuration: one typed schema, loaded from YAML, overridable from the CLI.
 
-The dataclass defaults here are THE defaults of the project: code that needs one outside
-a loaded config (a CLI flag's default, a library argument's) reads it from these classes,
-e.g. ``QueueConfig().fsync``. This module imports no jax, so the queue server and other
-light processes can use it.
+The dataclass defaults here are THE defaults of the project: ``load_config(None)`` is
+``Config()``, ``configs/tiny.yaml`` writes the same values out with comments (a test
+checks they are equal), and code that needs one outside a loaded config (a CLI flag's
+default, a library argument's) reads it from these classes, e.g. ``QueueConfig().fsync``.
+This module imports no jax, so the queue server and other light processes can use it.
 
 Unknown keys, wrong types and values outside a ``Literal`` fail with a message naming the
 dotted key, e.g. ``config key 'rollout.engine': must be one of 'builtin', 'vllm', got 'x'``.
@@ -76,7 +77,7 @@ class ModelConfig:
 class TaskConfig:
     name: Literal["arithmetic", "jsonl"] = "arithmetic"
     min_digits: int = 1
-    max_digits: int = 2
+    max_digits: int = 1
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     jsonl_path: str = ""
     tokenizer_path: str = ""  # local HF tokenizer dir; empty: the built-in char tokenizer
@@ -91,7 +92,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 4
     sample_dtype: Dtype = "bfloat16"
     record_routes: bool = True
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
@@ -108,19 +109,23 @@ class QueueConfig:
 @dataclasses.dataclass
 class ObjectiveConfig:
     name: str = "sat_gspo"
-    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # GSPO's paper radius (3e-4/4e-4) is sized for ~1000-token responses; the tiny task's
+    # answers are 2-3 tokens, so its sequence ratio moves like a token ratio and needs a
+    # token-sized radius. ``objective.hparams={}`` restores the objective's own defaults.
+    hparams: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"eps_low": 0.05, "eps_high": 0.07})
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 60
-    learning_rate: float = 1e-4
+    steps: int = 200
+    learning_rate: float = 3e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     replay: bool = True
-    max_lag: int = 1  # the queue drops trajectories staler than this
+    max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -128,7 +133,7 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class SftConfig:
-    steps: int = 300
+    steps: int = 100
     learning_rate: float = 3e-3
     batch_size: int = 64
 
@@ -223,6 +228,28 @@ def _build(cls: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"config key {prefix or cls.__name__!r}: {e}") from None
 
 
+def _plain(x: Any) -> Any:
+    """Tuples as lists, recursively: the form YAML reads and writes."""
+    if isinstance(x, tuple | list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def _merge_sections(base: dict[str, Any], update: Mapping[str, Any], cls: Any) -> None:
+    """``update`` into ``base``, recursing into config sections only (a dict-typed field such
+    as ``objective.hparams`` is replaced whole). Unknown keys are left to ``_build``."""
+    hints = typing.get_type_hints(cls)
+    for k, v in update.items():
+        typ = hints.get(k)
+        if typ is not None and dataclasses.is_dataclass(typ) and isinstance(v, Mapping) \
+                and isinstance(base.get(k), dict):
+            _merge_sections(base[k], v, typ)
+        else:
+            base[k] = v
+
+
 def _apply_override(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set expects key=value, got {assignment!r}")
@@ -233,18 +260,37 @@ def _apply_override(data: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"config key {dotted!r}: {p!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = _parse_yaml(raw, f"config key {dotted.strip()!r}")
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:  # one line: where YAML stopped, not its multi-line report
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"{what}: must be valid YAML, got {problem}{where}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Loads ``path`` (YAML) over the defaults and applies ``key=value`` overrides."""
-    data: dict[str, Any] = {}
+    """Loads ``path`` (YAML) over the defaults and applies ``key=value`` overrides.
+
+    The file and the overrides both apply over ``Config()``'s values, so e.g.
+    ``--set objective.hparams.lam=0.5`` adds to the default hparams whether or not a file
+    was given; a mapping-valued key given in full (``hparams: {...}``) replaces its default.
+    """
+    data: dict[str, Any] = _plain(Config().to_dict())
     if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        loaded = yaml.safe_load(text) or {}
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r}: cannot be read ({e.strerror})") from None
+        loaded = _parse_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
-        data = loaded
+            raise ConfigError(f"config file {str(path)!r}: must be a mapping at the top level, "
+                              f"got {type(loaded).__name__}")
+        _merge_sections(data, loaded, Config)
     for assignment in overrides:
         _apply_override(data, assignment)
     cfg = _build(Config, data)
@@ -276,8 +322,23 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.grad_accum >= 1, "train.grad_accum", ">= 1")
     need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
          "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
-    need(len(cfg.train.buckets) >= 1 and min(cfg.train.buckets) >= 1, "train.buckets",
-         "a non-empty list of positive lengths")
+    buckets = cfg.train.buckets
+    need(len(buckets) >= 1 and min(buckets) >= 1 and list(buckets) == sorted(set(buckets)),
+         "train.buckets", "a non-empty, increasing list of positive lengths")
+    need(cfg.train.max_grad_norm > 0, "train.max_grad_norm", "> 0")
+    need(cfg.train.warmup_steps >= 0, "train.warmup_steps", ">= 0")
+    need(cfg.train.weight_decay >= 0, "train.weight_decay", ">= 0")
+    need(cfg.sft.steps >= 0, "sft.steps", ">= 0")
+    need(cfg.sft.batch_size >= 1, "sft.batch_size", ">= 1")
+    need(cfg.sft.learning_rate > 0, "sft.learning_rate", "> 0")
+    need(cfg.eval.num_prompts >= 1, "eval.num_prompts", ">= 1")
+    need(cfg.eval.k >= 1, "eval.k", ">= 1")
+    need(cfg.eval.temperature >= 0, "eval.temperature", ">= 0")
+    need(cfg.task.min_digits >= 1, "task.min_digits", ">= 1")
+    need(cfg.task.max_digits >= cfg.task.min_digits, "task.max_digits", ">= task.min_digits")
+    need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
+    need(cfg.model.preset != "" or bool(cfg.model.path), "model.path",
+         "set when model.preset is ''")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
     _check_objective(cfg.objective)
@@ -309,11 +370,4 @@ def _check_objective(obj: ObjectiveConfig) -> None:
 
 
 def dump_config(cfg: Config) -> str:
-    def plain(x: Any) -> Any:
-        if isinstance(x, tuple):
-            return [plain(v) for v in x]
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
+    return yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False)

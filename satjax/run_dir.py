@@ -5,6 +5,7 @@
     <run_dir>/weights/vNNNNNNNN/    published policy versions (see satjax/weight_sync.py)
     <run_dir>/queue/                the local queue server's data directory
     <run_dir>/sft/                  the cached SFT warm-up (a Hugging Face checkpoint)
+    <run_dir>/sft/settings.json     the settings it was made with (a change re-runs it)
     <run_dir>/logs/metrics.jsonl    one JSON object per step (plus TensorBoard events)
     <run_dir>/logs/<process>.log    output of each child process (queue, worker0, ...)
     <run_dir>/logs/vllm-<worker>/   a vLLM worker's server logs
@@ -63,6 +64,11 @@ class RunDirs:
     @property
     def sft(self) -> Path:
         return self.root / "sft"
+
+    @property
+    def sft_settings(self) -> Path:
+        """The settings the cached warm-up was made with (JSON)."""
+        return self.sft / "settings.json"
 
     @property
     def logs(self) -> Path:

@@ -1,9 +1,37 @@
 """Test session setup: every test runs on an emulated 8-device CPU mesh."""
 
+import argparse
+import importlib
 import os
+
+import pytest
 
 # Must happen before jax is imported anywhere in the test session.
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+class _Parsed(Exception):
+    """Raised instead of parsing: carries the command's own parser and its argv."""
+
+
+@pytest.fixture
+def command_parser(monkeypatch):
+    """``command_parser("train")`` -> the ArgumentParser ``satjax train`` builds, without
+    running the command (its ``parse_args`` call hands the parser back instead)."""
+    from satjax.app.cli import COMMANDS
+
+    def get(name: str) -> argparse.ArgumentParser:
+        def capture(self, args=None, namespace=None):
+            raise _Parsed(self)
+
+        module, func, _ = COMMANDS[name]
+        with monkeypatch.context() as m:
+            m.setattr(argparse.ArgumentParser, "parse_args", capture)
+            with pytest.raises(_Parsed) as e:
+                getattr(importlib.import_module(module), func)([])
+        return e.value.args[0]
+
+    return get

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from satjax.config import (
+    Config,
     ConfigError,
     MeshConfig,
     QueueConfig,
@@ -17,6 +18,14 @@ from satjax.config import (
 from satjax.factory import DTYPES
 
 REPO = str(Path(__file__).resolve().parents[1])
+
+
+def test_one_default_the_schema_is_configs_tiny_yaml():
+    # Running without --config must be running configs/tiny.yaml: one set of defaults.
+    # Build both from scratch (load_config fills in hparams types) and compare everything.
+    assert load_config(None) == load_config(Path(REPO) / "configs/tiny.yaml")
+    assert dump_config(load_config(None)) == dump_config(Config())
+    assert load_config(None).task.max_digits == 1 and load_config(None).train.steps == 200
 
 
 def test_defaults_and_yaml_roundtrip(tmp_path):
@@ -32,7 +41,7 @@ def test_overrides_typed(tmp_path):
                                  "train.learning_rate=1", "train.mesh.expert=4",
                                  "train.weight_decay=1e-3"])
     assert cfg.train.weight_decay == 1e-3
-    assert cfg.objective.hparams == {"lam": 0.5}
+    assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.07, "lam": 0.5}
     assert cfg.train.steps == 7 and cfg.train.replay is False
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.mesh.expert == 4
@@ -54,6 +63,33 @@ def test_overrides_typed(tmp_path):
 def test_bad_keys_are_named(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
         load_config(overrides=[override])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.buckets=[64,32]", "config key 'train.buckets': must be a non-empty, increasing"),
+        ("train.buckets=[]", "config key 'train.buckets': must be a non-empty, increasing"),
+        ("checkpoint.keep=0", "config key 'checkpoint.keep': must be >= 1, got 0"),
+        ("eval.k=0", "config key 'eval.k': must be >= 1, got 0"),
+        ("task.max_digits=0", "config key 'task.max_digits': must be >= task.min_digits"),
+        ("train.steps=[1", "config key 'train.steps': must be valid YAML, got "),
+    ],
+)
+def test_more_range_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_config_file_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1\n")
+    with pytest.raises(ConfigError, match=r"must be valid YAML, got .* at line \d+") as e:
+        load_config(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(tmp_path / "missing.yaml")
 
 
 def test_yaml_unknown_key(tmp_path):
@@ -120,7 +156,7 @@ def test_config_module_is_jax_free():
 def test_one_set_of_defaults():
     # the values the queue server's flags and the library read from the schema
     assert QueueConfig().fsync == "batch"
-    assert TrainConfig().max_lag == 1
+    assert TrainConfig().max_lag == 2
     assert DTYPES == {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -145,4 +181,4 @@ def test_objective_hyperparameters_of_another_objective_are_refused():
     with pytest.raises(ConfigError, match="objective.hparams.lam"):
         load_config(None, ["objective.name=gspo", "objective.hparams.lam=0.5"])
     cfg = load_config(None, ["objective.name=gspo", "objective.hparams.eps_high=1e-3"])
-    assert cfg.objective.hparams == {"eps_high": 1e-3}
+    assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 1e-3}

@@ -7,15 +7,19 @@ Each command lives next to the code it drives and is imported lazily, so that
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from satjax import __version__
 
 # command -> (module, function taking argv list and returning an exit code, help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("satjax.app.commands", "train",
               "asynchronous RL training (queue + workers + trainer)"),
-    "sft": ("satjax.app.commands", "sft", "supervised warm-up of the tiny policy"),
+    "sft": ("satjax.app.commands", "sft", "only the supervised warm-up (cached in <run_dir>/sft)"),
     "serve-queue": ("satjax.queue.server", "main", "run the gRPC trajectory queue server"),
-    "rollout": ("satjax.app.worker_process", "main", "run one rollout worker"),
+    "rollout": ("satjax.app.worker_process", "main",
+                "run one rollout worker (train starts these itself)"),
     "eval": ("satjax.app.commands", "evaluate", "avg@k and pass@k on the held-out split"),
     "lag-sweep": ("satjax.app.lag_sweep", "main", "objectives x lags x seeds experiment"),
 }
@@ -23,17 +27,36 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:  # e.g. `satjax -h | head`: the reader left; not an error of ours
+        # Python flushes stdout again at exit; point it at /dev/null so that is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv[:1] == ["--version"]:
+        print(f"satjax {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: satjax <command> [options]\n\ncommands:")
+        print("usage: satjax <command> [options]   (satjax <command> -h: its options)\n\n"
+              "commands:")
         for name, (_, _, help_) in COMMANDS.items():
             print(f"  {name:<14} {help_}")
+        print("\noptions:\n  -h, --help     show this message\n"
+              "  --version      print the version")
+        sys.stdout.flush()  # inside the try: a closed pipe raises here, not at exit
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"satjax: unknown command {name!r}; one of {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"satjax: error: unknown command {name!r}; one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    code = int(getattr(importlib.import_module(module), func)(rest) or 0)
+    sys.stdout.flush()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,76 +1,233 @@
-"""``satjax train | sft | eval``: argument parsing around the library functions."""
+"""``satjax train | sft | eval``: argument parsing around the library functions.
+
+User errors (a bad config key or value, a missing path, a run directory that does not
+fit the command) end the command with exit code 2 and one line
+``satjax <command>: error: ...``, before anything slow (model build, warm-up, processes)
+starts. ``satjax train`` exits 0 when it finished, 130 when interrupted (after its clean
+checkpoint) and 1 when it failed; its last line says where the run stopped and how to
+continue it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import shlex
 import sys
+import traceback
+from pathlib import Path
+from typing import Any
 
-from satjax.config import ConfigError, load_config
+from satjax.config import Config, ConfigError, load_config
+from satjax.run_dir import RunDirs
+
+EXIT_USAGE = 2  # argparse's code for a bad command line; used for every user error
+EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C'd command (128 + SIGINT)
+
+# Keys a resumed run may change: how long it runs, how often it checkpoints, how it is
+# evaluated and where its workers and queue run. Anything else (the model, the task, the
+# objective, the optimizer, batch shapes, lags) would silently make it another experiment.
+RESUME_SAFE_KEYS = ("train.steps", "checkpoint.every", "checkpoint.keep", "eval.",
+                    "rollout.num_workers", "rollout.vllm_python", "queue.address",
+                    "queue.token", "queue.fsync")
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every config-driven command takes (--config, --set, --no-progress)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", default=None, help="YAML config (default: built-in tiny run)")
+    p.add_argument("--config", default=None,
+                   help="YAML config (default: the built-in defaults, i.e. configs/tiny.yaml; "
+                        "eval: the run's config.yaml if run_dir has one)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set objective.hparams.lam=0.5")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+                   help="override a config key (repeatable), e.g. --set train.steps=50 "
+                        "--set objective.hparams.lam=0.5")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars: a status line every --log-every steps instead")
+    p.add_argument("--log-every", type=int, default=10, metavar="N",
+                   help="with --no-progress, print one status line every N steps "
+                        "(default: %(default)s)")
     return p
 
 
-def _load(p: argparse.ArgumentParser, args: argparse.Namespace):
+def fail(p: argparse.ArgumentParser, message: str) -> None:
+    """Ends the command: exit code 2 and the one line ``<prog>: error: <message>``."""
+    p.exit(EXIT_USAGE, f"{p.prog}: error: {message}\n")
+
+
+def load(p: argparse.ArgumentParser, args: argparse.Namespace) -> Config:
+    """The config ``args`` select, validated (values, paths, devices, engine)."""
     try:
-        return load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+        cfg = load_config(args.config, args.overrides)
+        check_resources(cfg)
+    except ConfigError as e:
+        fail(p, str(e))
+    if args.log_every < 1:
+        fail(p, f"--log-every: must be >= 1, got {args.log_every!r}")
+    return cfg
+
+
+def check_resources(cfg: Config) -> None:
+    """What ``load_config`` cannot check without looking outside the config: the paths it
+    names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
+    nothing is built or loaded. Raises ConfigError naming the key."""
+
+    def need(cond: bool, key: str, what: str, value: Any) -> None:
+        if not cond:
+            raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
+
+    if cfg.model.path:
+        need((Path(cfg.model.path) / "config.json").is_file(), "model.path",
+             "a Hugging Face checkpoint directory (with config.json)", cfg.model.path)
+    if cfg.task.name == "jsonl":
+        need(Path(cfg.task.jsonl_path).is_file(), "task.jsonl_path", "an existing file",
+             cfg.task.jsonl_path)
+    if cfg.task.tokenizer_path:
+        need(Path(cfg.task.tokenizer_path).is_dir(), "task.tokenizer_path",
+             "an existing tokenizer directory", cfg.task.tokenizer_path)
+    import jax  # load_config has imported it already (the objectives' checks)
+
+    devices = jax.device_count()
+    mesh = cfg.train.mesh
+    need(mesh.size <= devices, "train.mesh",
+         f"at most the {devices} device(s) there are (data*fsdp*expert*tensor = {mesh.size})",
+         dataclasses.asdict(mesh))
+    if cfg.rollout.engine == "vllm":
+        from satjax.rollout.vllm_engine import resolve_python
+
+        try:
+            resolve_python(cfg.rollout.vllm_python)
+        except ValueError as e:  # "rollout.vllm_python: <what is wrong>"
+            raise ConfigError(f"config key 'rollout.vllm_python': {str(e).partition(': ')[2]}"
+                              ) from None
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    a, b = _flat(old.to_dict()), _flat(new.to_dict())
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def resume_config(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: Config) -> Config:
+    """The config a ``--resume`` continues with: the run's saved config, with ``--set`` (or
+    a ``--config`` that agrees with it) changing only :data:`RESUME_SAFE_KEYS`."""
+    dirs = RunDirs(cfg.run_dir)
+    if not dirs.config.exists():
+        fail(p, f"run_dir {cfg.run_dir!r}: no run to resume (no {dirs.config.name}); "
+                "start one without --resume, or set run_dir to the run's directory")
+    try:
+        saved = load_config(dirs.config)
+        wanted = cfg if args.config else load_config(dirs.config, args.overrides)
+        check_resources(wanted)
+    except ConfigError as e:
+        fail(p, str(e))
+    unsafe = [k for k in changed_keys(saved, wanted) if not k.startswith(RESUME_SAFE_KEYS)]
+    if unsafe:
+        fail(p, f"config key(s) {', '.join(repr(k) for k in unsafe)}: must not change on "
+                f"--resume (the run was started with other values; see {dirs.config}); "
+                f"resume changes only {', '.join(RESUME_SAFE_KEYS)}*")
+    return wanted
+
+
+def continue_command(run_dir: str) -> str:
+    return f"satjax train --set run_dir={shlex.quote(run_dir)} --resume"
 
 
 def train(argv: list[str]) -> int:
-    p = _parser("satjax train", "Asynchronous RL: queue server + rollout workers + trainer.")
-    p.add_argument("--resume", action="store_true", help="continue the run in run_dir")
+    p = parser("satjax train", "Asynchronous RL: queue server + rollout workers + trainer.")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir with its saved config.yaml (--set may "
+                        "change only train.steps, checkpoint.*, eval.*, rollout.num_workers, "
+                        "queue.*)")
     args = p.parse_args(argv)
-    cfg = _load(p, args)
+    cfg = load(p, args)
+    dirs = RunDirs(cfg.run_dir)
+    if args.resume:
+        cfg = resume_config(p, args, cfg)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from satjax.app.run import run_train
-    from satjax.run_dir import RunDirs
 
+    cont = f"continue with: {continue_command(cfg.run_dir)}"
     try:
-        last = run_train(cfg, resume=args.resume, progress=not args.no_progress)
-    except FileExistsError as e:
-        p.exit(2, f"{p.prog}: error: {e}\n")
+        outcome = run_train(cfg, resume=args.resume, progress=not args.no_progress,
+                            log_every=args.log_every)
+    except FileExistsError as e:  # a fresh start into a run's directory (checked first)
+        fail(p, str(e))
+    except KeyboardInterrupt:  # before the RL loop's own handler (warm-up, start-up)
+        print(f"satjax train: interrupted before the first RL step of this start; "
+              f"{_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
+        return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
-    print(json.dumps({k: last[k] for k in keys if k in last}))
-    print(f"run directory: {cfg.run_dir} (metrics: {RunDirs(cfg.run_dir).metrics})")
+    if outcome.last:
+        print(json.dumps({k: outcome.last[k] for k in keys if k in outcome.last}))
+    where = f"run directory: {cfg.run_dir} (metrics: {dirs.metrics})"
+    if outcome.interrupted:
+        print(f"stopped at step {outcome.step} of {outcome.total} (checkpointed); {where}; "
+              f"{cont}")
+        return EXIT_INTERRUPTED
+    print(f"finished step {outcome.step} of {outcome.total}; {where}")
     return 0
 
 
+def _checkpoint_note(dirs: RunDirs) -> str:
+    from satjax.train.checkpoint import Checkpointer
+
+    if not (dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir())):
+        return "no checkpoint yet"
+    step = Checkpointer(dirs.checkpoints).latest_step()
+    return f"the last checkpoint is step {step}"
+
+
 def sft(argv: list[str]) -> int:
-    p = _parser("satjax sft", "Supervised warm-up; writes a HF checkpoint to <run_dir>/sft.")
+    p = parser("satjax sft", "Supervised warm-up; writes a HF checkpoint to <run_dir>/sft.")
     args = p.parse_args(argv)
-    cfg = _load(p, args)
+    cfg = load(p, args)
     from satjax.app.run import warm_start
     from satjax.factory import build_task, build_tokenizer
-    from satjax.run_dir import RunDirs
 
     tok, task = build_tokenizer(cfg), build_task(cfg)
-    warm_start(cfg, tok, task, progress=not args.no_progress)
+    try:
+        warm_start(cfg, tok, task, progress=not args.no_progress, log_every=args.log_every)
+    except KeyboardInterrupt:
+        print("satjax sft: interrupted; nothing saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"warm-up checkpoint: {RunDirs(cfg.run_dir).sft}")
     return 0
 
 
 def evaluate(argv: list[str]) -> int:
-    p = _parser("satjax eval", "avg@k and pass@k on the held-out split.")
+    p = parser("satjax eval", "avg@k and pass@k on the held-out split (prints one JSON line).")
     p.add_argument("--model", default=None,
                    help="HF checkpoint dir (default: the run's latest published weights)")
-    p.add_argument("--k", type=int, default=None)
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--k", type=int, default=None,
+                   help="samples per prompt (default: the config's eval.k)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="held-out prompts to score (default: the config's eval.num_prompts)")
     args = p.parse_args(argv)
-    cfg = _load(p, args)
-    from satjax.app.evaluate import evaluate as run_eval
-    from satjax.factory import build_task, build_tokenizer, sampling_params
-    from satjax.model import from_pretrained
-    from satjax.run_dir import RunDirs
+    cfg = load(p, args)
+    saved = RunDirs(cfg.run_dir).config
+    if args.config is None and saved.is_file():  # score the run with the run's own task
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            fail(p, str(e))
+    for flag, value in (("--k", args.k), ("--num-prompts", args.num_prompts)):
+        if value is not None and value < 1:
+            fail(p, f"{flag}: must be >= 1, got {value!r}")
     from satjax.weight_sync import WeightSubscriber
 
     path = args.model
@@ -78,8 +235,16 @@ def evaluate(argv: list[str]) -> int:
         sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
         latest = sub.latest_version()
         if latest is None:
-            p.exit(2, f"{p.prog}: error: no published weights under {cfg.run_dir}; pass --model\n")
+            fail(p, f"run_dir {cfg.run_dir!r}: has no published weights; pass --model or "
+                    "set run_dir to a trained run")
         path = str(sub.checkpoint_dir(latest))
+    elif not (Path(path) / "config.json").is_file():
+        fail(p, f"--model: must be a Hugging Face checkpoint directory (with config.json), "
+                f"got {path!r}")
+    from satjax.app.evaluate import evaluate as run_eval
+    from satjax.factory import build_task, build_tokenizer, sampling_params
+    from satjax.model import from_pretrained
+
     tok, task = build_tokenizer(cfg), build_task(cfg)
     result = run_eval(
         from_pretrained(path), task, tok,

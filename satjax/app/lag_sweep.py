@@ -8,7 +8,8 @@ runs are reproducible; ``satjax train --set train.exact_lag=L`` runs the same sc
 through the real queue and worker processes.
 
 Outputs under ``--out``: ``runs/<name>/logs/metrics.jsonl`` and ``result.json`` per run
-(finished runs are skipped on re-run, so an interrupted sweep loses nothing),
+(a finished run whose full config is unchanged is skipped on re-run, so an interrupted
+sweep loses nothing; a changed setting re-runs it),
 ``results.csv``, ``results.md`` and PNG plots.
 """
 
@@ -18,10 +19,12 @@ import argparse
 import collections
 import concurrent.futures as cf
 import dataclasses
+import hashlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -54,16 +57,68 @@ class RunSpec:
         return self.run_dir(out) / "result.json"
 
 
-def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: str,
-            warmup_dir: str, steps: int, eval_every: int,
-            seq_eps: tuple[float, float] | None = None) -> dict[str, Any]:
-    """Trains and evaluates one run in this process; writes result.json."""
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """``--set`` values -> (for every run, {variant: for that variant's runs only}).
+
+    ``KEY=VALUE`` applies to every run; ``VARIANT:KEY=VALUE`` (e.g.
+    ``gspo:objective.hparams.eps_low=1e-3``) only to that variant's runs, for settings
+    that one objective has and another lacks.
+    """
+    common: list[str] = []
+    per_variant: dict[str, list[str]] = {}
+    for item in overrides:
+        head, sep, rest = item.partition(":")
+        if sep and "=" not in head:
+            if head not in VARIANTS:
+                raise ValueError(f"--set {item!r}: {head!r} must be one of "
+                                 f"{', '.join(VARIANTS)}")
+            per_variant.setdefault(head, []).append(rest)
+        else:
+            common.append(item)
+    if any(o.split("=", 1)[0].strip() == "objective.name" for o in common):
+        raise ValueError("--set objective.name: must not be set; the variants choose the "
+                         "objective (use --variants)")
+    return common, per_variant
+
+
+def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out: str,
+               warmup_dir: str, steps: int, seq_eps: tuple[float, float] | None):
+    """The full config of one run: the base config and ``overrides`` (see
+    :func:`split_overrides`), the variant's objective with its own default hyperparameters
+    (then ``seq_eps`` for the GSPO family, then the ``objective.*`` overrides), the lag."""
+    from satjax.config import load_config
+
+    common, per_variant = split_overrides(overrides)
+    objective = [o for o in common if o.startswith("objective.")]
+    variant = VARIANTS[spec.variant]
+    return load_config(base_config, [
+        *(o for o in common if not o.startswith("objective.")),
+        f"run_dir={spec.run_dir(out)}", f"seed={spec.seed}", f"model.path={warmup_dir}",
+        f"objective.name={variant['objective']}", f"train.replay={variant['replay']}",
+        f"train.steps={steps}", f"train.max_lag={spec.lag}", f"train.exact_lag={spec.lag}",
+        "objective.hparams={}",
+        *([f"objective.hparams.eps_low={seq_eps[0]}", f"objective.hparams.eps_high={seq_eps[1]}"]
+          if seq_eps and variant["sequence_level"] else []),
+        *objective, *per_variant.get(spec.variant, []),
+    ])
+
+
+def run_key(cfg, eval_every: int, warmup: dict[str, Any]) -> str:
+    """What a finished run's result depends on: its full config, the eval cadence and the
+    warm-up's settings. A re-run reuses a result only if this is unchanged."""
+    from satjax.config import dump_config
+
+    text = json.dumps([dump_config(cfg), eval_every, warmup], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str, Any]:
+    """Trains and evaluates one run (config ``cfg``) in this process; writes result.json."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     from flax import nnx
 
     from satjax.app.evaluate import evaluate
-    from satjax.config import load_config
     from satjax.data.pipeline import prompt_dataset
     from satjax.factory import build_model, build_task, build_tokenizer, sampling_params
     from satjax.rollout.builtin_engine import BuiltinEngine
@@ -72,18 +127,9 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
 
-    variant = VARIANTS[spec.variant]
     run_dir = spec.run_dir(out)
-    cfg = load_config(base_config, [
-        *overrides,
-        f"run_dir={run_dir}", f"seed={spec.seed}", f"model.path={warmup_dir}",
-        f"objective.name={variant['objective']}", f"train.replay={variant['replay']}",
-        f"train.steps={steps}", f"train.max_lag={spec.lag}", f"train.exact_lag={spec.lag}",
-        # each objective runs with its own defaults, except the GSPO-family radius if given
-        "objective.hparams={}",
-        *([f"objective.hparams.eps_low={seq_eps[0]}", f"objective.hparams.eps_high={seq_eps[1]}"]
-          if seq_eps and variant["sequence_level"] else []),
-    ])
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stale or half-done run starts over
+    steps = cfg.train.steps
     t0 = time.time()
     tok, task = build_tokenizer(cfg), build_task(cfg)
     trainer = Trainer(cfg, build_model(cfg, tok), tok)  # model.path: the shared warm-up
@@ -126,62 +172,105 @@ def run_one(spec: RunSpec, base_config: str | None, overrides: list[str], out: s
     result = {
         "variant": spec.variant, "lag": spec.lag, "seed": spec.seed, "steps": steps,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
-        "seconds": time.time() - t0,
+        "seconds": time.time() - t0, "key": key,
     }
     spec.result_path(out).write_text(json.dumps(result))
     return result
 
 
-def _warmup(base_config: str | None, overrides: list[str], out: Path) -> str:
-    from satjax.app.run import warm_start
-    from satjax.config import load_config
-    from satjax.factory import build_task, build_tokenizer
-    from satjax.run_dir import RunDirs
-
-    cfg = load_config(base_config, [*overrides, f"run_dir={out / 'warmup'}"])
-    warm_start(cfg, build_tokenizer(cfg), build_task(cfg), progress=True)
-    return str(RunDirs(cfg.run_dir).sft)
+def _done(spec: RunSpec, out: Path, key: str) -> bool:
+    path = spec.result_path(out)
+    return path.exists() and json.loads(path.read_text()).get("key") == key
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="satjax lag-sweep", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--out", default="runs/lag_sweep")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--lags", default="1,2,4,8")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--eval-every", type=int, default=20)
-    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
-    p.add_argument("--seq-eps", default=None, metavar="LOW,HIGH",
-                   help="clip radius of the GSPO-family objectives (default: their own, "
-                        "3e-4,4e-4, sized for long responses)")
+    from satjax.config import ObjectiveConfig, load_config
+
+    default_eps = ObjectiveConfig().hparams  # the tiny task's radius, as `satjax train` uses
+    p = argparse.ArgumentParser(
+        prog="satjax lag-sweep", description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog="--set KEY=VALUE applies to every run, --set VARIANT:KEY=VALUE (e.g. "
+               "gspo:objective.hparams.eps_low=1e-3) to one variant's runs; objective.* "
+               "overrides apply over each objective's own defaults. A finished run is reused "
+               "only if its full config is unchanged.")
+    p.add_argument("--config", default=None,
+                   help="base YAML config of every run (default: the built-in defaults, "
+                        "i.e. configs/tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="[VARIANT:]KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", default="runs/lag_sweep",
+                   help="output directory (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated objectives to compare (default: %(default)s)")
+    p.add_argument("--lags", default="1,2,4,8",
+                   help="comma-separated exact policy lags (default: %(default)s)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=60,
+                   help="RL steps per run (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=20,
+                   help="evaluate every this many steps, and at the end (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)),
+                   help="runs in parallel, one process each (default: the CPU count)")
+    p.add_argument("--seq-eps", default=f"{default_eps['eps_low']},{default_eps['eps_high']}",
+                   metavar="LOW,HIGH",
+                   help="clip radius of the GSPO-family objectives (default: %(default)s, the "
+                        "tiny task's, sized for 2-3 token answers; 'own' keeps each "
+                        "objective's default, the paper's 3e-4,4e-4 for ~1000-token answers)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
-        p.error(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    lags = [int(x) for x in args.lags.split(",")]
-    seq_eps = tuple(float(x) for x in args.seq_eps.split(",")) if args.seq_eps else None
+        p.error(f"--variants: must be among {', '.join(VARIANTS)}, got {sorted(unknown)}")
+    try:
+        lags = [int(x) for x in args.lags.split(",")]
+        seeds = [int(x) for x in args.seeds.split(",")]
+        seq_eps = None if args.seq_eps == "own" else tuple(
+            float(x) for x in args.seq_eps.split(","))
+    except ValueError as e:
+        p.error(f"--lags/--seeds/--seq-eps: must be comma-separated numbers ({e})")
     if seq_eps is not None and len(seq_eps) != 2:
-        p.error("--seq-eps: expected LOW,HIGH")
-    seeds = [int(x) for x in args.seeds.split(",")]
+        p.error(f"--seq-eps: must be LOW,HIGH or 'own', got {args.seq_eps!r}")
+    if min(lags) < 0 or args.steps < 1 or args.eval_every < 1 or args.jobs < 1:
+        p.error("--lags must be >= 0; --steps, --eval-every and --jobs >= 1")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    warmup_dir = _warmup(args.config, args.overrides, out)
     specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
-    todo = [s for s in specs if not s.result_path(out).exists()]
-    print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {args.jobs} in parallel")
+    from satjax.app.commands import check_resources
+    from satjax.app.run import sft_settings, warm_start
+    from satjax.run_dir import RunDirs
+
+    try:  # every run's config, before the warm-up: a typo fails now, not after it
+        common, _ = split_overrides(args.overrides)
+        warmup_cfg = load_config(args.config, [*common, f"run_dir={out / 'warmup'}"])
+        check_resources(warmup_cfg)
+    except ValueError as e:  # ConfigError included
+        p.error(str(e))
+    warmup_dir = str(RunDirs(warmup_cfg.run_dir).sft)
+    configs = {}
+    for spec in specs:
+        try:
+            configs[spec] = run_config(spec, args.config, args.overrides, str(out), warmup_dir,
+                                       args.steps, seq_eps)
+        except ValueError as e:
+            p.error(f"{spec.variant}: {e}")
+    out.mkdir(parents=True, exist_ok=True)
+    from satjax.factory import build_task, build_tokenizer
+
+    warm_start(warmup_cfg, build_tokenizer(warmup_cfg), build_task(warmup_cfg))
+    warmup = sft_settings(warmup_cfg)
+    keys = {s: run_key(configs[s], args.eval_every, warmup) for s in specs}
+    todo = [s for s in specs if not _done(s, out, keys[s])]
+    stale = sum(s.result_path(out).exists() for s in todo)
+    print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {stale} to redo "
+          f"(their config changed), {args.jobs} in parallel")
     from tqdm import tqdm
 
     from satjax.app.sweep_report import write_csv_table_plots
 
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(run_one, s, args.config, args.overrides, str(out), warmup_dir,
-                               args.steps, args.eval_every, seq_eps): s for s in todo}
+        futures = {pool.submit(run_one, s, configs[s], str(out), args.eval_every, keys[s]): s
+                   for s in todo}
         for fut in tqdm(cf.as_completed(futures), total=len(futures), desc="lag sweep"):
             spec = futures[fut]
             res = fut.result()

@@ -24,17 +24,26 @@ from satjax.weight_sync import WeightSubscriber
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="satjax rollout", description=__doc__.split("\n")[1])
+    p = argparse.ArgumentParser(
+        prog="satjax rollout",
+        description="One rollout worker: samples groups with the policy the trainer "
+                    "publishes in <run-dir>/weights and puts them on the queue, until "
+                    "SIGTERM. The queue token comes from $SATJAX_QUEUE_TOKEN. `satjax train` "
+                    "starts these itself; run one by hand to add a worker on another host.")
     p.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
     p.add_argument("--queue", required=True, help="queue address host:port")
-    p.add_argument("--worker-id", default="0")
-    p.add_argument("--max-batches", type=int, default=None)
+    p.add_argument("--worker-id", default="0",
+                   help="this worker's id (seeds its prompts; default: %(default)s)")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="stop after this many batches (default: run until SIGTERM)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     token = os.environ.get("SATJAX_QUEUE_TOKEN")
     if not token:
         p.error("set SATJAX_QUEUE_TOKEN to the queue's bearer token")
     dirs = RunDirs(args.run_dir)
+    if not dirs.config.is_file():
+        p.error(f"--run-dir: must hold a run's {dirs.config.name}, got {args.run_dir!r}")
     cfg = load_config(dirs.config)
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg)

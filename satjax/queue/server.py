@@ -318,18 +318,22 @@ def build_parser() -> argparse.ArgumentParser:
     d, limits = QueueSettings(), Limits()
     p = argparse.ArgumentParser(prog="satjax serve-queue", description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--data-dir", required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--data-dir", required=True, help="directory of the durable segment log")
     p.add_argument("--token", help=f"bearer token (else --token-file or ${TOKEN_ENV})")
-    p.add_argument("--token-file")
-    p.add_argument("--tls-cert")
-    p.add_argument("--tls-key")
-    p.add_argument("--fsync", choices=FSYNC_POLICIES, default=d.fsync)
-    p.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB)
+    p.add_argument("--token-file", help="file holding the bearer token")
+    p.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default=d.fsync,
+                   help="when appends reach the disk (default: %(default)s)")
+    p.add_argument("--max-message-mb", type=float, default=MAX_MESSAGE_MB,
+                   help="largest gRPC message (default: %(default)s)")
     p.add_argument("--max-lag-default", type=int, default=d.max_lag_default,
                    help="max_lag of a GetBatch that does not set one")
-    p.add_argument("--future-slack", type=int, default=d.future_slack)
-    p.add_argument("--max-pending", type=int, default=d.max_pending)
+    p.add_argument("--future-slack", type=int, default=d.future_slack,
+                   help="versions beyond trainer+1 a put may claim (default: %(default)s)")
+    p.add_argument("--max-pending", type=int, default=d.max_pending,
+                   help="pending trajectories before puts are refused (back-pressure)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a plaintext bind on a non-loopback address")
     p.add_argument("--reset-consumer-state", action="store_true",
@@ -338,19 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--consumer-lease-s", type=float, default=d.consumer_lease_s,
                    help="idle time after which another consumer may take over")
     # the model's bounds (satjax train passes them); unset: not checked
-    p.add_argument("--vocab-size", type=int)
-    p.add_argument("--num-experts", type=int)
-    p.add_argument("--moe-layers", type=int)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--group-size", type=int)
+    p.add_argument("--vocab-size", type=int, help="reject tokens outside the vocabulary")
+    p.add_argument("--num-experts", type=int, help="reject routes naming other experts")
+    p.add_argument("--moe-layers", type=int, help="reject routes with another layer count")
+    p.add_argument("--top-k", type=int, help="reject routes with another experts-per-token")
+    p.add_argument("--group-size", type=int, help="reject groups of another size")
     p.add_argument("--max-seq-len", "--max-tokens", dest="max_seq_len", type=int,
-                   default=limits.max_seq_len, help="largest P + N")
-    p.add_argument("--segment-mb", type=float, default=d.segment_bytes / (1 << 20))
+                   default=limits.max_seq_len,
+                   help="longest trajectory, prompt + response (default: %(default)s)")
+    p.add_argument("--segment-mb", type=float, default=d.segment_bytes / (1 << 20),
+                   help="size at which the log starts a new segment file")
     p.add_argument("--cache-mb", type=float, default=d.cache_bytes / (1 << 20),
                    help="recent trajectories kept in memory for GetBatch")
-    p.add_argument("--workers", type=int, default=MAX_WORKERS)
+    p.add_argument("--workers", type=int, default=MAX_WORKERS, help="gRPC server threads")
     p.add_argument("--log-level", default="INFO",
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper)
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper,
+                   help="log level (default: %(default)s)")
     return p
 
 

@@ -49,9 +49,21 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert (run_dir / "weights" / "LATEST").read_text() == "3"
     assert any((run_dir / "logs").glob("events.out.tfevents.*"))
 
+    assert r.stdout.splitlines()[-1].startswith("finished step 3 of 3; run directory: ")
+    assert "compiling the train step" in r.stderr  # a status line for the silent phase
+
     # a second start without --resume refuses to overwrite the run
     r = _train(run_dir, "--set", "train.steps=5")
     assert r.returncode == 2 and "--resume" in r.stderr
+
+    # --resume without --config continues with the run's own config (2 x 4 sequences, not
+    # the defaults' 8 x 8), changing only the safe key train.steps
+    r = subprocess.run([sys.executable, "-m", "satjax", "train", "--no-progress", "--set",
+                        f"run_dir={run_dir}", "--resume", "--set", "train.steps=4"],
+                       env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _metrics(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4] and rows[-1]["sequences"] == 8
 
     # resume, then Ctrl-C mid-run: the trainer checkpoints the step it reached and stops
     # its worker and queue processes
@@ -62,13 +74,15 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 130, err[-3000:]  # interrupted, after the clean checkpoint
     rows = _metrics(run_dir)
     steps = [m["step"] for m in rows]
     assert steps == list(range(1, len(steps) + 1)) and 5 <= steps[-1] < 500
     ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts[-1] == steps[-1]
     assert json.loads(out.splitlines()[0])["reward_mean"] == rows[-1]["reward_mean"]
+    assert out.splitlines()[-1].startswith(f"stopped at step {steps[-1]} of 500")
+    assert out.splitlines()[-1].endswith(f"satjax train --set run_dir={run_dir} --resume")
     leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True)
     assert leftover.stdout == b"", "a worker process outlived the trainer"
 

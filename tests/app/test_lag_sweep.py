@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -35,3 +37,28 @@ def test_lag_sweep_writes_table_plots_and_skips_finished_runs(tmp_path):
 
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0 and "4 already done" in r.stdout
+
+
+def test_run_configs_take_every_override_and_their_key_follows_the_config():
+    from satjax.app import lag_sweep
+
+    spec = lag_sweep.RunSpec("gspo", 2, 0)
+    sat = lag_sweep.RunSpec("sat_gspo", 2, 0)
+    overrides = ["eval.k=2", "objective.hparams.is_correction=tis",
+                 "gspo:objective.hparams.eps_high=0.5", "sat_gspo:objective.hparams.lam=0.25"]
+    cfg = lag_sweep.run_config(spec, None, overrides, "out", "warm", 7, (0.05, 0.07))
+    assert (cfg.objective.name, cfg.train.exact_lag, cfg.train.steps, cfg.eval.k) == (
+        "gspo", 2, 7, 2)
+    # the variant's own defaults, then --seq-eps, then objective.* for all, then its own
+    assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.5, "is_correction": "tis"}
+    sat_cfg = lag_sweep.run_config(sat, None, overrides, "out", "warm", 7, (0.05, 0.07))
+    assert (sat_cfg.objective.hparams["lam"], sat_cfg.objective.hparams["eps_high"]) == (0.25, 0.07)
+
+    key = lag_sweep.run_key(cfg, 20, {"sft": 1})
+    assert key == lag_sweep.run_key(cfg, 20, {"sft": 1})
+    more_steps = lag_sweep.run_config(spec, None, overrides, "out", "warm", 8, (0.05, 0.07))
+    changed = {lag_sweep.run_key(more_steps, 20, {"sft": 1}),  # steps, eval cadence, warm-up
+               lag_sweep.run_key(cfg, 10, {"sft": 1}), lag_sweep.run_key(cfg, 20, {"sft": 2})}
+    assert len(changed) == 3 and key not in changed
+    with pytest.raises(ValueError, match="objective.name"):
+        lag_sweep.run_config(spec, None, ["objective.name=grpo"], "out", "warm", 7, None)
