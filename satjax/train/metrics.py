@@ -1,7 +1,8 @@
 """Step metrics computed on the host, and the scalar logger (JSON lines + TensorBoard).
 
 Each metric has one owner. The jitted step (``satjax/train/step.py``) computes everything
-it can see in the batch: ``loss``, ``grad_norm``, ``tokens``, ``sequences``, ``reward_mean``,
+it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` (1 when the update
+was skipped), ``tokens``, ``sequences``, ``reward_mean``,
 ``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's and the
 router's metrics. :func:`trajectory_metrics` adds what needs the raw trajectories; the run
 loop (``satjax/app/run.py``) adds the queue's and the wall clock's.
