@@ -123,6 +123,7 @@ class TrainConfig:
     max_lag: int = 1  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
+    preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
@@ -278,6 +279,7 @@ def _check_values(cfg: Config) -> None:
          "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
     need(len(cfg.train.buckets) >= 1 and min(cfg.train.buckets) >= 1, "train.buckets",
          "a non-empty list of positive lengths")
+    need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
     _check_objective(cfg.objective)

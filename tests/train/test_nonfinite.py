@@ -49,5 +49,5 @@ def test_nonfinite_batch_leaves_params_unchanged_and_is_counted(
     assert float(m["nonfinite_steps"]) == 0.0
     trained = _leaves(host(state))
     assert all(np.isfinite(x).all() for _, x in trained if np.issubdtype(x.dtype, np.floating))
-    assert any(not np.array_equal(a, b) for (p, a), (_, b) in zip(_leaves(before), trained)
-               if p.startswith("model"))
+    pairs = zip(_leaves(before), trained, strict=True)
+    assert any(not np.array_equal(a, b) for (p, a), (_, b) in pairs if p.startswith("model"))
