@@ -111,6 +111,27 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
             "--group-size", str(cfg.rollout.group_size)]
 
 
+class PendingAcks:
+    """Cursors of the batches trained on since the last acknowledgement.
+
+    :meth:`ack` (called once a checkpoint holding them is durable) acknowledges every one
+    of them, not just the last: groups complete out of order, so a later batch can carry
+    a smaller cursor than an earlier one. An ack covers every batch delivered up to its
+    cursor, so acking the largest covers them all.
+    """
+
+    def __init__(self) -> None:
+        self.cursors: list[int] = []
+
+    def add(self, cursor: int) -> None:
+        self.cursors.append(int(cursor))
+
+    def ack(self, client) -> None:
+        if self.cursors:
+            client.ack(max(self.cursors))
+            self.cursors.clear()
+
+
 class _StopOnInterrupt:
     """First Ctrl-C (SIGINT) or SIGTERM: finish the current step, checkpoint, stop.
     A second Ctrl-C raises KeyboardInterrupt as usual.
@@ -198,16 +219,8 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
         bar = tqdm(total=cfg.train.steps, initial=trainer.step, desc="rl", disable=not progress)
         t_last = time.time()
         first_batch = True  # after a restart, re-read what the lost steps had consumed
-        unacked: list[int] = []  # cursors of the batches trained on since the last ack
+        unacked = PendingAcks()
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
-
-        def ack_checkpointed() -> None:
-            """Acks every batch the checkpoint just written holds. Cursors grow with each
-            delivery and an ack covers every batch up to its cursor, so the largest covers
-            them all (not just the last one: groups may complete out of order)."""
-            if unacked:
-                client.ack(max(unacked))
-                unacked.clear()
         try:
             while trainer.step < cfg.train.steps and not stop.requested:
                 got = None
@@ -223,8 +236,8 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
                 if stop.requested:
                     break
                 metrics = trainer.train_on(got.trajectories)
-                unacked.append(got.cursor)
-                trainer.queue_cursor = max(unacked)
+                unacked.add(got.cursor)
+                trainer.queue_cursor = max(unacked.cursors)
                 now = time.time()
                 metrics["queue/dropped_stale"] = float(got.dropped_stale)
                 metrics["trajectories_per_s"] = len(got.trajectories) / max(now - t_last, 1e-9)
@@ -233,7 +246,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
                     trainer.publish()
                 if trainer.save():
                     trainer.ckpt.wait()
-                    ack_checkpointed()
+                    unacked.ack(client)
                 last = mlog.log(trainer.step, metrics)
                 mlog.flush()
                 bar.update(1)
@@ -249,7 +262,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True) -> di
                 trainer.save(force=True)
                 trainer.ckpt.wait()
                 try:
-                    ack_checkpointed()
+                    unacked.ack(client)
                 except Exception as e:  # the checkpoint is safe; a re-read is the worst case
                     log.error("final queue ack failed: %s", e)
             stop.checkpointed.set()
