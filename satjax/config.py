@@ -128,6 +128,7 @@ class TrainConfig:
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
+    preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
@@ -339,6 +340,7 @@ def _check_values(cfg: Config) -> None:
     need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
     need(cfg.model.preset != "" or bool(cfg.model.path), "model.path",
          "set when model.preset is ''")
+    need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
     _check_objective(cfg.objective)

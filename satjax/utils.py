@@ -1,9 +1,13 @@
-"""Small operating-system helpers shared across stages: durable file writes, free ports."""
+"""Small operating-system helpers shared across stages: durable file writes, free ports,
+children that die with their parent."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 from pathlib import Path
 
 
@@ -51,3 +55,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Asks the kernel to send ``sig`` to this process when the thread that started it
+    exits, however it dies (``kill -9`` included). Linux only (``prctl(PR_SET_PDEATHSIG)``);
+    elsewhere a no-op, and a lifeline pipe (``satjax/app/launch.py``) covers it."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")

@@ -5,9 +5,14 @@
          v                                   | weights v+1 (WeightPublisher, canary)
     trainer: get_batch(max_lag) -> make_batch -> jitted SAT-GSPO step -> publish
 
-Queue acks follow checkpoints: the queue cursor is acknowledged only once a checkpoint
-holding it is on disk, so a trainer crash between checkpoints re-reads (after the queue
-restarts) exactly the trajectories the lost steps had consumed.
+Queue acks follow checkpoints: the batches trained on since the last checkpoint are
+acknowledged (all of them, however their groups completed) only once a checkpoint holding
+them is on disk, so a trainer crash between checkpoints re-reads (after the queue restarts)
+exactly the trajectories the lost steps had consumed, and nothing a checkpoint holds.
+
+The children die with the trainer whatever kills it (``satjax/app/launch.py``), so
+``--resume`` after a crash starts a fresh queue server on the same data directory; one
+that a dying orphan still holds is retried until the orphan is gone.
 
 The SFT warm-up lives here rather than in the library: it is run-directory orchestration
 (cache the warm-up under ``<run_dir>/sft``, show progress) around ``satjax.train.sft.run_sft``;
@@ -34,7 +39,7 @@ from satjax.app.launch import ProcessGroup, new_token
 from satjax.config import Config, dump_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_model, build_task, build_tokenizer
-from satjax.model import from_pretrained, save_pretrained
+from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
 from satjax.run_dir import RunDirs
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft
@@ -149,12 +154,64 @@ def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every
     return model
 
 
-class _StopOnInterrupt:
-    """First Ctrl-C (SIGINT) or SIGTERM: finish the current step (train, publish, log),
-    then stop cleanly. A second Ctrl-C raises KeyboardInterrupt as usual."""
+# A queue server exits with this code when its data directory is held by another server:
+# after a crash, the orphaned one is still shutting down; retried for this long.
+QUEUE_DATA_DIR_HELD = 1
+QUEUE_START_TIMEOUT_S = 60.0
+
+
+def public_config(cfg: Config) -> Config:
+    """``cfg`` as written to ``run_dir/config.yaml``: without the queue token (children get
+    it from ``SATJAX_QUEUE_TOKEN`` in their environment, never from a file)."""
+    return dataclasses.replace(cfg, queue=dataclasses.replace(cfg.queue, token=""))
+
+
+def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
+    """``serve-queue`` flags that make the queue refuse what this model cannot train on:
+    token ids, expert ids, route shapes, lengths beyond the largest bucket, wrong groups."""
+    return ["--vocab-size", str(model_config.vocab_size),
+            "--num-experts", str(model_config.num_experts),
+            "--moe-layers", str(len(model_config.moe_layer_indices)),
+            "--top-k", str(model_config.num_experts_per_tok),
+            "--max-seq-len", str(max(cfg.train.buckets)),
+            "--group-size", str(cfg.rollout.group_size)]
+
+
+class PendingAcks:
+    """Cursors of the batches trained on since the last acknowledgement.
+
+    :meth:`ack` (called once a checkpoint holding them is durable) acknowledges every one
+    of them, not just the last: groups complete out of order, so a later batch can carry
+    a smaller cursor than an earlier one. An ack covers every batch delivered up to its
+    cursor, so acking the largest covers them all.
+    """
 
     def __init__(self) -> None:
+        self.cursors: list[int] = []
+
+    def add(self, cursor: int) -> None:
+        self.cursors.append(int(cursor))
+
+    def ack(self, client) -> None:
+        if self.cursors:
+            client.ack(max(self.cursors))
+            self.cursors.clear()
+
+
+class _StopOnInterrupt:
+    """First Ctrl-C (SIGINT) or SIGTERM: finish the current step, checkpoint, stop.
+    A second Ctrl-C raises KeyboardInterrupt as usual.
+
+    SIGTERM is a preemption (spot VM, Kubernetes): the node goes away ``grace_s`` later.
+    If the checkpoint is not on disk by then (the step in flight took too long), the
+    process exits at once: the previous checkpoint is the last completed state, and the
+    batches after it were never acknowledged, so the queue delivers them again.
+    """
+
+    def __init__(self, grace_s: float) -> None:
         self.requested = False
+        self.grace_s = grace_s
+        self.checkpointed = threading.Event()  # set once the final checkpoint is durable
         self._old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -163,8 +220,17 @@ class _StopOnInterrupt:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGTERM and not self.requested:
+            log.warning("SIGTERM: checkpointing within %.0fs", self.grace_s)
+            threading.Thread(target=self._deadline, daemon=True).start()
         self.requested = True
         log.warning("stop requested: finishing the current step, then checkpointing")
+
+    def _deadline(self) -> None:
+        if not self.checkpointed.wait(self.grace_s):
+            log.error("no checkpoint %.0fs after SIGTERM: exiting; --resume continues from "
+                      "the last checkpoint on disk", self.grace_s)
+            os._exit(128 + signal.SIGTERM)
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
@@ -186,7 +252,10 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     """Runs ``cfg.train.steps`` RL steps with a local queue server and rollout workers
     (or the queue at ``cfg.queue.address``). ``log_every``: with ``progress`` off, one
     status line per that many steps."""
-    from satjax.queue.client import QueueClient  # imported late: grpc is heavy
+    from satjax.queue.client import (  # imported late: grpc is heavy
+        QueueClient,
+        QueueUnavailableError,
+    )
 
     dirs = RunDirs(cfg.run_dir)
     if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
@@ -196,7 +265,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                               "--resume to continue it or choose another run_dir")
     dirs.root.mkdir(parents=True, exist_ok=True)
     # written first: the workers build their pieces from it and --resume reloads it
-    dirs.config.write_text(dump_config(cfg))
+    dirs.config.write_text(dump_config(public_config(cfg)))
     tokenizer, task = build_tokenizer(cfg), build_task(cfg)
     trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress,
                                       log_every=log_every), tokenizer, resume=resume)
@@ -207,19 +276,29 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     n_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     last: dict[str, Any] = {}
     interrupted = False
-    with ProcessGroup() as procs, MetricsLogger(dirs.logs) as mlog:
-        address = cfg.queue.address
-        if not address:
-            port = free_port()
-            address = f"127.0.0.1:{port}"
-            status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
-            procs.start("queue", ["serve-queue", "--port", str(port), "--data-dir",
-                                  cfg.queue.data_dir or str(dirs.queue), "--fsync",
-                                  cfg.queue.fsync, "--max-lag-default",
-                                  str(cfg.train.max_lag)],
-                        log_file=dirs.process_log("queue"), env=env)
+    resume_step = trainer.step if resume else None  # re-run steps replace their old lines
+    with ProcessGroup() as procs, MetricsLogger(dirs.logs, resume_step=resume_step) as mlog:
+        address = cfg.queue.address or f"127.0.0.1:{free_port()}"
         client = QueueClient(address, token=token)
-        client.wait_ready(timeout=60)
+
+        def queue_ready() -> bool:
+            try:
+                client.wait_ready(timeout=1.0)
+                return True
+            except QueueUnavailableError:
+                return False
+
+        if cfg.queue.address:
+            client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
+        else:
+            status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
+            procs.start_until_ready(
+                "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
+                          cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
+                          "--max-lag-default", str(cfg.train.max_lag),
+                          *queue_limit_flags(cfg, trainer.model_config)],
+                log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
+                timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
         status(f"publishing weights v{trainer.policy_version}")
         trainer.publish()
         status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
@@ -233,7 +312,8 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         t_last = time.time()
         first_batch = True  # after a restart, re-read what the lost steps had consumed
         logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
-        stop = _StopOnInterrupt()
+        unacked = PendingAcks()
+        stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
         try:
             while trainer.step < cfg.train.steps and not stop.requested:
                 got = None
@@ -247,14 +327,18 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     # An empty reply means fewer than n_rows fresh trajectories so far.
                     got = client.get_batch(n_rows, trainer_version=trainer.policy_version,
                                            max_lag=cfg.train.max_lag, timeout=5.0,
-                                           redeliver_unacked=first_batch)
+                                           redeliver_unacked=first_batch,
+                                           # a resumed trainer fences its dead predecessor
+                                           # explicitly (the queue refuses a 2nd consumer)
+                                           take_over=first_batch and resume)
                     first_batch = False
                 if stop.requested:
                     break
                 if not last:
                     status("compiling the train step (the first step; later ones are fast)")
                 metrics = trainer.train_on(got.trajectories)
-                trainer.queue_cursor = got.cursor
+                unacked.add(got.cursor)
+                trainer.queue_cursor = max(unacked.cursors)
                 now = time.time()
                 metrics["queue/dropped_stale"] = float(got.dropped_stale)
                 metrics["trajectories_per_s"] = len(got.trajectories) / max(now - t_last, 1e-9)
@@ -264,10 +348,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 last = mlog.log(trainer.step, metrics)
                 mlog.flush()
                 logged_step = trainer.step
-                trainer.publish()
+                if not stop.requested:  # stopping: the grace period is for the checkpoint
+                    trainer.publish()
                 if trainer.save():
                     trainer.ckpt.wait()
-                    client.ack(trainer.queue_cursor)
+                    unacked.ack(client)
                 bar.update(step_postfix(metrics))
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
             log.warning("interrupted: stopping after step %d", logged_step)
@@ -283,10 +368,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 trainer.save(force=True)
                 trainer.ckpt.wait()
                 try:
-                    client.ack(trainer.queue_cursor)
+                    unacked.ack(client)
                 except Exception as e:  # the checkpoint is safe; a re-read is the worst case
                     log.error("final queue ack failed: %s", e)
             checkpointed = trainer.ckpt.latest_step() or 0
+            stop.checkpointed.set()
             trainer.ckpt.close()
             procs.close()  # workers first (reverse start order), then the queue
     return RunOutcome(step=checkpointed, total=cfg.train.steps, last=last,

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from satjax.rollout.engine import Completion, SamplingParams
-from satjax.utils import free_port
+from satjax.utils import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = "satjax.rollout.vllm_ext.WeightExt"
@@ -207,6 +207,7 @@ class VllmEngine:
             self.proc = subprocess.Popen(
                 self._command(checkpoint_dir), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                preexec_fn=die_with_parent,  # a worker killed -9 must not leave it running
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:

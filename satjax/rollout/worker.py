@@ -23,6 +23,7 @@ import numpy as np
 
 from satjax.data.pipeline import Task, decode_response, encode_prompt
 from satjax.data.tasks import Example
+from satjax.queue.client import QueueStorageError
 from satjax.rollout.engine import Engine, SamplingParams
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import WeightSubscriber, check_canary
@@ -125,6 +126,17 @@ class RolloutWorker:
         return out
 
     # -- loop ----------------------------------------------------------------------
+    def _put_until_stored(self, trajectories: list[Trajectory]):
+        """Puts ``trajectories``, waiting out a full disk on the queue's side (the server
+        keeps nothing of a refused put, and ids make a repeated put idempotent)."""
+        while True:
+            try:
+                return self.client.put(trajectories)
+            except QueueStorageError as e:
+                log.warning("queue cannot store the group (%s); retrying", e)
+                if self.stop_event.wait(self.cfg.pause_poll_s):
+                    return None
+
     def run(self, max_batches: int | None = None, install_signal_handlers: bool = True) -> int:
         """Runs until SIGTERM/SIGINT, ``stop_event`` or ``max_batches``; returns the
         number of trajectories put on the queue."""
@@ -140,7 +152,9 @@ class RolloutWorker:
                 continue
             trajectories = self.generate_groups()
             # Put even if a stop arrived while sampling: the work is finished, keep it.
-            result = self.client.put(trajectories)
+            result = self._put_until_stored(trajectories)
+            if result is None:  # stopped while the queue's disk was full: this group is lost
+                break
             rejected = getattr(result, "rejected", None)
             if rejected:
                 log.error("queue rejected %d trajectories: %s", len(rejected), rejected[:3])

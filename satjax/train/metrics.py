@@ -1,7 +1,8 @@
 """Step metrics computed on the host, and the scalar logger (JSON lines + TensorBoard).
 
 Each metric has one owner. The jitted step (``satjax/train/step.py``) computes everything
-it can see in the batch: ``loss``, ``grad_norm``, ``tokens``, ``sequences``, ``reward_mean``,
+it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` (1 when the update
+was skipped), ``tokens``, ``sequences``, ``reward_mean``,
 ``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's and the
 router's metrics. :func:`trajectory_metrics` adds what needs the raw trajectories; the run
 loop (``satjax/app/run.py``) adds the queue's and the wall clock's.
@@ -21,6 +22,7 @@ import numpy as np
 
 from satjax.run_dir import METRICS_FILE
 from satjax.trajectory import Trajectory
+from satjax.utils import atomic_write
 
 
 def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -48,6 +50,26 @@ def trajectory_metrics(
     return out
 
 
+def _truncate_after(path: str, step: int) -> None:
+    """Rewrites ``path`` (atomically) without the records of steps after ``step``; a torn
+    last line (a crash mid-write) is dropped too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(record.get("step", 0)) <= step:
+            kept.append(line + "\n")
+    if len(kept) != len(lines):
+        atomic_write(path, "".join(kept))
+
+
 class MetricsLogger:
     """Writes one JSON object per ``log`` call to ``<logdir>/metrics.jsonl`` and the same
     scalars to TensorBoard event files in ``logdir``. Non-scalar values are skipped.
@@ -55,12 +77,18 @@ class MetricsLogger:
     Args:
       logdir: output directory (created).
       tensorboard: also write TensorBoard events.
+      resume_step: the step a resumed run restarts from: records of later steps (logged
+        before a crash, about to be re-run) are dropped first, so the file keeps one
+        record per step. None: append to what is there.
     """
 
-    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True) -> None:
+    def __init__(self, logdir: str | os.PathLike, *, tensorboard: bool = True,
+                 resume_step: int | None = None) -> None:
         self.logdir = os.fspath(logdir)
         os.makedirs(self.logdir, exist_ok=True)
         self.jsonl_path = os.path.join(self.logdir, METRICS_FILE)
+        if resume_step is not None:
+            _truncate_after(self.jsonl_path, resume_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         self._tb = None
         if tensorboard:

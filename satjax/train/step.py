@@ -3,7 +3,8 @@
 One step: recompute the batch's token log-probs under the current weights (replaying the
 engine's routes when configured), compute group advantages, apply the configured objective
 (SAT-GSPO by default), take the gradient, apply the optimizer (whose Optax chain clips by
-global norm, see ``state.make_optimizer``).
+global norm, see ``state.make_optimizer``). A step whose loss or gradient global norm is
+not finite leaves the parameters and optimizer state unchanged (``nonfinite_steps`` = 1).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
 statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
@@ -179,13 +180,21 @@ class _TrainStep:
         log.info(
             "train step compile #%d for batch shape %s", self.num_compilations, batch.tokens.shape
         )
+        old = jax.tree.leaves(state)  # the arrays, before the update below mutates ts in place
         ts = nnx.merge(self.graphdef, state)
         advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
         grads, loss, oaux, raux = self._grads(ts.model, batch, advantages)
 
         grad_norm = optax.tree.norm(grads)  # before the optimizer's clipping
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         opt_step = ts.optimizer.step[...]
         ts.optimizer.update(ts.model, grads)
+        # A non-finite loss or gradient (a poisoned reward, an overflow) would turn every
+        # parameter NaN at once: keep the old parameters and optimizer state instead. The
+        # step and version still advance, so the batch counts as consumed and the run goes on.
+        new, treedef = jax.tree.flatten(nnx.state(ts))
+        kept = [jnp.where(finite, n, o) for n, o in zip(new, old, strict=True)]
+        ts = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, kept))
         ts.step[...] += 1
         ts.policy_version[...] += 1
 
@@ -195,6 +204,7 @@ class _TrainStep:
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
+            "nonfinite_steps": 1.0 - finite.astype(jnp.float32),  # 1: this update was skipped
             "tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
             "sequences": jnp.sum(valid_rows).astype(jnp.float32),
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,

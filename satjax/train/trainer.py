@@ -114,8 +114,13 @@ class Trainer:
         )
         self.state, metrics = self.step_fn(self.state, self.step_fn.place_batch(batch))
         self.step += 1
+        scalars = to_scalars(jax.device_get(metrics))
+        if scalars["nonfinite_steps"]:
+            log.warning("step %d: loss %s, grad norm %s: not finite, update skipped "
+                        "(parameters unchanged)", self.step, scalars["loss"],
+                        scalars["grad_norm"])
         return {
-            **to_scalars(jax.device_get(metrics)),
+            **scalars,
             **trajectory_metrics(trajectories, trainer_version=version),
             "num_compilations": float(self.step_fn.num_compilations),
         }

@@ -101,3 +101,18 @@ def test_trajectory_metrics_are_the_host_side_extras():
                  "lag_hist/2": 2.0}
     # the jitted step owns reward_mean and lag_mean/lag_max; they are not recomputed here
     assert not {"reward_mean", "lag_mean", "lag_max"} & set(m)
+
+
+def test_metrics_logger_after_resume_keeps_one_record_per_step(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        for step in range(1, 6):
+            log.log(step, {"loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # torn by a crash mid-write
+    # the checkpoint restored is step 3: steps 4..6 are re-run and logged again
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=3) as log:
+        for step in range(4, 8):
+            log.log(step, {"loss": 10.0 * step})
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["loss"] for r in records] == [1.0, 2.0, 3.0, 40.0, 50.0, 60.0, 70.0]

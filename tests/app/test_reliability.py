@@ -1,0 +1,140 @@
+"""What the run side of ``satjax train`` promises when things go wrong (docs/reliability.md):
+children die with the trainer, a child that dies is reported at once, acks cover every
+batch a checkpoint holds, no secret in the run directory. Real processes, loopback only."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from satjax.app.launch import ChildExitedError, ProcessGroup
+from satjax.app.run import PendingAcks, public_config
+from satjax.config import dump_config, load_config
+from satjax.queue.client import QueueClient
+from satjax.queue.server import QueueServer
+from satjax.trajectory import Trajectory
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "reliability-test-token-0123456789"
+
+
+def _traj(group: str, i: int, size: int = 4) -> Trajectory:
+    rng = np.random.default_rng(i)
+    return Trajectory(
+        trajectory_id=f"{group}-{i}", group_id=group, prompt_id=f"p-{group}",
+        prompt_tokens=rng.integers(3, 40, 5, dtype=np.int32),
+        response_tokens=rng.integers(3, 40, 4, dtype=np.int32),
+        behavior_logprobs=-rng.random(4, dtype=np.float32), policy_version=0,
+        reward=float(i % 2), group_size=size)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _wait_gone(pids, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_acks_cover_every_batch_after_out_of_order_groups(tmp_path):
+    """Group A completes after B and C were put: the first batch (A) carries a larger
+    cursor than the second (B). Acking after the checkpoint must consume both, so nothing
+    the checkpoint holds is delivered again after a restart."""
+    server = QueueServer(tmp_path / "q", TOKEN)
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
+    client.put([_traj("A", i) for i in range(3)] + [_traj("B", i) for i in range(4)]
+               + [_traj("C", i) for i in range(4)], strict=True)
+    client.put([_traj("A", 3)], strict=True)
+    acks = PendingAcks()
+    trained = []
+    for _ in range(2):  # two steps, then a checkpoint
+        got = client.get_batch(4, trainer_version=0, max_lag=5, timeout=5.0)
+        trained.append(got.trajectories[0].group_id)
+        acks.add(got.cursor)
+    assert trained == ["A", "B"]
+    acks.ack(client)
+    assert acks.cursors == []
+    client.close()
+    server.stop(1.0)
+
+    server = QueueServer(tmp_path / "q", TOKEN)  # the restart after a crash
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
+    left = []
+    for first in (True, False, False):
+        got = client.get_batch(4, trainer_version=0, max_lag=5, timeout=1.0,
+                               redeliver_unacked=first)
+        left += sorted({t.group_id for t in got.trajectories})
+    assert left == ["C"]  # only what no checkpoint holds
+    client.close()
+    server.stop(1.0)
+
+
+def test_child_that_dies_at_start_is_reported_at_once_with_its_log(tmp_path):
+    with ProcessGroup() as procs:
+        t0 = time.monotonic()
+        with pytest.raises(ChildExitedError) as e:
+            # no --data-dir: serve-queue exits 2 at once
+            procs.start_until_ready("queue", ["serve-queue", "--port", "0"],
+                                    log_file=tmp_path / "queue.log", ready=lambda: False,
+                                    timeout=60, retry_codes=(1,))
+        assert time.monotonic() - t0 < 30  # not after the 60 s readiness timeout
+    assert e.value.returncode == 2
+    assert "queue exited with code 2" in str(e.value) and "--data-dir" in str(e.value)
+
+
+def test_children_die_with_a_parent_killed_9(tmp_path):
+    """The parent holds a ProcessGroup with a queue server and a plain child; ``kill -9``
+    of the parent (no cleanup code runs) stops both within seconds."""
+    parent = tmp_path / "parent.py"
+    parent.write_text(textwrap.dedent(f"""
+        import sys, time
+        from satjax.app.launch import ProcessGroup
+        procs = ProcessGroup()
+        q = procs.start("queue", ["serve-queue", "--port", "0", "--data-dir",
+                                  {str(tmp_path / "q")!r}, "--token", {TOKEN!r}],
+                        log_file={str(tmp_path / "queue.log")!r})
+        print(q.pid, flush=True)
+        time.sleep(600)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    try:
+        child = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while "listening" not in (tmp_path / "queue.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "queue.log").read_text()
+            assert _alive(child), (tmp_path / "queue.log").read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone([child], timeout=15) == [], "the queue server outlived its parent"
+    finally:
+        proc.kill()
+    # it stopped as on SIGTERM (the graceful path), not by a kill
+    assert "shutting down" in (tmp_path / "queue.log").read_text()
+
+
+def test_queue_token_is_not_written_to_config_yaml():
+    cfg = load_config(None, [f"queue.token={TOKEN}"])
+    assert cfg.queue.token == TOKEN
+    text = dump_config(public_config(cfg))
+    assert TOKEN not in text
+    assert public_config(cfg).queue == type(cfg.queue)(**{**vars(cfg.queue), "token": ""})

@@ -1,0 +1,53 @@
+"""A poisoned batch (reward 1e308 is inf in float32, NaN log-probs) never reaches the
+parameters: the step is skipped, counted, and the next good batch trains as usual."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+
+def _poison(batch, how):
+    if how == "reward_1e308":
+        rewards = np.array(batch.rewards, np.float64)
+        rewards[0] = 1e308  # what a float64 producer can send: inf once cast to float32
+        with np.errstate(over="ignore"):
+            return dataclasses.replace(batch, rewards=rewards.astype(np.float32))
+    blp = np.array(batch.behavior_logprobs)
+    blp[1, 5] = np.nan
+    return dataclasses.replace(batch, behavior_logprobs=blp)
+
+
+def _leaves(state):
+    """[(dotted path, numpy array)] of a host state."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return [(".".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path),
+             np.asarray(x)) for path, x in flat]
+
+
+@pytest.mark.parametrize("how", ["reward_1e308", "nan_logprob"])
+def test_nonfinite_batch_leaves_params_unchanged_and_is_counted(
+        how, cached_step, make_state, synthetic_batch, host):
+    step = cached_step()
+    state = step.place_state(nnx.split(make_state(0))[1])
+    before = host(state)
+    poisoned = _poison(synthetic_batch(0), how)
+    state, m = step(state, step.place_batch(poisoned))
+    after = host(state)
+    assert float(m["nonfinite_steps"]) == 1.0
+    assert not np.isfinite(float(m["loss"])) or not np.isfinite(float(m["grad_norm"]))
+    for (path, a), (_, b) in zip(_leaves(before), _leaves(after), strict=True):
+        if path in ("step.value", "policy_version.value"):
+            assert int(b) == int(a) + 1, path  # the batch still counts as consumed
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=path)
+
+    # the run goes on: a good batch after it updates the parameters, all finite
+    state, m = step(state, step.place_batch(synthetic_batch(1)))
+    assert float(m["nonfinite_steps"]) == 0.0
+    trained = _leaves(host(state))
+    assert all(np.isfinite(x).all() for _, x in trained if np.issubdtype(x.dtype, np.floating))
+    pairs = zip(_leaves(before), trained, strict=True)
+    assert any(not np.array_equal(a, b) for (p, a), (_, b) in pairs if p.startswith("model"))
