@@ -134,3 +134,17 @@ def from_proto(msg: pb2.Trajectory) -> Trajectory:
         finish_reason=msg.finish_reason, routed_experts=routes, router_logits=logits,
         engine=msg.engine, created_unix=float(msg.timing.created_unix),
         generation_seconds=float(msg.timing.generation_seconds))
+
+
+def stop(proc) -> None:
+    """Kills a subprocess the test started (by its Popen) and reaps it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def one_line(stderr: str) -> str:
+    """The single line a refusing command printed (fails on a traceback or more lines)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]

@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from queue_testlib import stop
 
 from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
 from satjax.utils import free_port
@@ -14,12 +15,6 @@ from satjax.utils import free_port
 
 def logged(path):
     return path.read_text().split() if path.exists() else []
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 def test_kill9_mid_stream_loses_nothing_and_redelivers_no_ack(

@@ -8,6 +8,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from queue_testlib import one_line, stop
 
 from satjax.queue._proto import SERVICE
 from satjax.queue.client import QueueClient, QueueLeaseError
@@ -17,18 +18,6 @@ from satjax.utils import free_port
 
 LIMITS = ("--vocab-size", "1000", "--num-experts", "8", "--moe-layers", "2", "--top-k", "2",
           "--max-seq-len", "30", "--group-size", "2")
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-def one_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+from queue_testlib import one_line, stop
 
 from satjax.queue import store
 from satjax.queue.client import QueueClient, QueueStorageError
@@ -14,18 +15,6 @@ from satjax.queue.core import TrajectoryQueue
 from satjax.queue.server import QueueServer
 from satjax.queue.store import DataDirError
 from satjax.utils import free_port
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-def one_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 def all_ids(client, n=1000):
