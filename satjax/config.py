@@ -313,7 +313,8 @@ def _check_values(cfg: Config) -> None:
          "set when task.name is 'jsonl'")
     need(cfg.rollout.group_size >= 2, "rollout.group_size", ">= 2 (the group baseline)")
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1")
-    need(cfg.rollout.num_workers >= 1, "rollout.num_workers", ">= 1")
+    need(cfg.rollout.num_workers >= (0 if cfg.queue.address else 1), "rollout.num_workers",
+         ">= 1 (0 only with queue.address set: workers started separately feed that queue)")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", ">= 0")
     need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "in (0, 1]")

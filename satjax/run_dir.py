@@ -3,6 +3,8 @@
     <run_dir>/config.yaml           the resolved config (workers read it)
     <run_dir>/checkpoints/<step>/   Orbax checkpoints of the train state
     <run_dir>/weights/vNNNNNNNN/    published policy versions (see satjax/weight_sync.py)
+    <run_dir>/weights/run_config.yaml  the config again, next to the weights: a worker on
+                                    another host needs only the weights directory
     <run_dir>/queue/                the local queue server's data directory
     <run_dir>/sft/                  the cached SFT warm-up (a Hugging Face checkpoint)
     <run_dir>/sft/settings.json     the settings it was made with (a change re-runs it)
@@ -20,7 +22,14 @@ import os
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+WEIGHTS_CONFIG_FILE = "run_config.yaml"
 _VERSION_PREFIX = "v"
+
+
+def weights_config(weights_dir: str | os.PathLike[str]) -> Path:
+    """The run's public config inside ``weights_dir`` (what ``satjax rollout --weights``
+    reads)."""
+    return Path(weights_dir) / WEIGHTS_CONFIG_FILE
 
 
 def version_dir(weights_dir: str | os.PathLike[str], version: int) -> Path:
@@ -56,6 +65,10 @@ class RunDirs:
     @property
     def weights(self) -> Path:
         return self.root / "weights"
+
+    @property
+    def weights_config(self) -> Path:
+        return weights_config(self.weights)
 
     @property
     def queue(self) -> Path:

@@ -44,7 +44,7 @@ from satjax.run_dir import RunDirs
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft
 from satjax.train.trainer import Trainer
-from satjax.utils import free_port
+from satjax.utils import atomic_write, free_port
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     dirs.root.mkdir(parents=True, exist_ok=True)
     # written first: the workers build their pieces from it and --resume reloads it
     dirs.config.write_text(dump_config(public_config(cfg)))
+    # and next to the weights, whole (atomic): all a worker on another host reads
+    dirs.weights.mkdir(parents=True, exist_ok=True)
+    atomic_write(dirs.weights_config, dump_config(public_config(cfg)))
     tokenizer, task = build_tokenizer(cfg), build_task(cfg)
     trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress,
                                       log_every=log_every), tokenizer, resume=resume)
@@ -302,10 +305,12 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         status(f"publishing weights v{trainer.policy_version}")
         trainer.publish()
         status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
-               f"(logs: {dirs.process_log('worker0')}, ...)")
+               f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers else
+               f"no local workers: `satjax rollout --queue {address} --weights {dirs.weights}`")
         for i in range(cfg.rollout.num_workers):
-            procs.start(f"worker{i}", ["rollout", "--run-dir", str(dirs.root), "--queue",
-                                       address, "--worker-id", str(i)],
+            procs.start(f"worker{i}", ["rollout", "--queue", address, "--weights",
+                                       str(dirs.weights), "--worker-id", str(i),
+                                       "--log-dir", str(dirs.vllm_logs(str(i)))],
                         log_file=dirs.process_log(f"worker{i}"), env=env)
         bar = Progress("rl", cfg.train.steps, initial=trainer.step, enabled=progress,
                        log_every=log_every)

@@ -1,10 +1,13 @@
-"""``satjax rollout``: one rollout worker process.
+"""``satjax rollout``: one rollout worker process, on the trainer's host or any other.
 
-    satjax rollout --run-dir runs/tiny --queue 127.0.0.1:50051 --worker-id 0
+    satjax rollout --queue 10.0.0.2:50051 --weights /shared/runs/tiny/weights --worker-id 3
 
-Reads the run's ``config.yaml``, follows the weights the trainer publishes under
-``<run-dir>/weights`` and puts trajectories on the queue until SIGTERM. The queue token
-comes from ``SATJAX_QUEUE_TOKEN`` (never from the command line, where ``ps`` shows it).
+``--weights`` is the trainer's weights directory (``<run_dir>/weights``, on a file system
+this host shares with the trainer). The run's config comes from the file the trainer
+writes there (``run_config.yaml``), so a worker needs nothing else; ``--config`` reads
+another one instead. The worker follows the versions published there and puts
+trajectories on the queue until SIGTERM. The queue token comes from
+``SATJAX_QUEUE_TOKEN`` (never from the command line, where ``ps`` shows it).
 """
 
 from __future__ import annotations
@@ -12,28 +15,42 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 import zlib
+from pathlib import Path
 
-from satjax.config import load_config
+from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_task, build_tokenizer, sampling_params
 from satjax.rollout.factory import make_engine
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
-from satjax.run_dir import RunDirs
+from satjax.run_dir import weights_config
 from satjax.weight_sync import WeightSubscriber
+
+# How long a worker started before the trainer waits for the trainer's run_config.yaml.
+CONFIG_WAIT_S = 600.0
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="satjax rollout",
         description="One rollout worker: samples groups with the policy the trainer "
-                    "publishes in <run-dir>/weights and puts them on the queue, until "
-                    "SIGTERM. The queue token comes from $SATJAX_QUEUE_TOKEN. `satjax train` "
-                    "starts these itself; run one by hand to add a worker on another host.")
-    p.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+                    "publishes in --weights and puts each group on the queue as soon as it "
+                    "is complete, until SIGTERM. The queue token comes from "
+                    "$SATJAX_QUEUE_TOKEN. `satjax train` starts these itself; run one by "
+                    "hand to add a worker on another host (it may join or leave at any time).")
     p.add_argument("--queue", required=True, help="queue address host:port")
+    p.add_argument("--weights", required=True, metavar="DIR",
+                   help="the trainer's weights directory (<run_dir>/weights, shared with "
+                        "the trainer's host); holds the run's run_config.yaml")
+    p.add_argument("--config", default=None,
+                   help="run config YAML to use instead of DIR/run_config.yaml")
     p.add_argument("--worker-id", default="0",
-                   help="this worker's id (seeds its prompts; default: %(default)s)")
+                   help="this worker's id (seeds its prompts; give each worker its own; "
+                        "default: %(default)s)")
+    p.add_argument("--log-dir", default=None,
+                   help="directory for a vLLM engine's server log (default: a new "
+                        "temporary directory)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="stop after this many batches (default: run until SIGTERM)")
     args = p.parse_args(argv)
@@ -41,10 +58,22 @@ def main(argv: list[str]) -> int:
     token = os.environ.get("SATJAX_QUEUE_TOKEN")
     if not token:
         p.error("set SATJAX_QUEUE_TOKEN to the queue's bearer token")
-    dirs = RunDirs(args.run_dir)
-    if not dirs.config.is_file():
-        p.error(f"--run-dir: must hold a run's {dirs.config.name}, got {args.run_dir!r}")
-    cfg = load_config(dirs.config)
+    if args.max_batches is not None and args.max_batches < 1:
+        p.error(f"--max-batches: must be >= 1, got {args.max_batches!r}")
+    config_path = Path(args.config) if args.config else weights_config(args.weights)
+    if args.config and not config_path.is_file():
+        p.error(f"--config: must be a readable YAML file, got {args.config!r}")
+    # A worker may start before the trainer has written the weights directory.
+    deadline = time.monotonic() + CONFIG_WAIT_S
+    while not config_path.is_file():
+        if time.monotonic() > deadline:
+            p.error(f"--weights: must be a trainer's weights directory holding "
+                    f"{config_path.name} (waited {CONFIG_WAIT_S:.0f}s), got {args.weights!r}")
+        time.sleep(1.0)
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        p.error(f"{config_path}: {e}")
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg)
     from satjax.queue.client import QueueClient
@@ -53,11 +82,10 @@ def main(argv: list[str]) -> int:
     client.wait_ready(timeout=60)
     wid = str(args.worker_id)
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
-    subscriber = WeightSubscriber(dirs.weights)
     worker = RolloutWorker(
-        make_engine(cfg.rollout, tokenizer, dirs.vllm_logs(wid), seed=cfg.seed),
+        make_engine(cfg.rollout, tokenizer, args.log_dir, seed=cfg.seed),
         task, tokenizer, client,
-        subscriber,
+        WeightSubscriber(args.weights),
         iter(prompt_dataset(task, seed=seed)),
         WorkerConfig(
             group_size=cfg.rollout.group_size,

@@ -5,7 +5,13 @@ Trajectory stamped with the engine's policy version -> queue ``put``.
 
 The worker honours the queue's backpressure (``should_pause``), follows the trainer's
 published weights (``WeightSubscriber``, canary-checked), and on SIGTERM finishes and
-puts the group it is working on before exiting, so no finished trajectory is lost.
+puts the groups it is working on before exiting, so no finished trajectory is lost.
+
+Each group is put on its own as soon as it is scored (a put is one durable write on the
+queue's side, all of the group or nothing), so a worker that disappears (kill -9, a lost
+host) loses only the groups it was still sampling: the ``prompts_per_batch`` groups of
+the engine call in flight, or the rest of that batch if it died between puts. Workers
+may therefore join and leave at any time.
 """
 
 from __future__ import annotations
@@ -84,7 +90,8 @@ class RolloutWorker:
 
     # -- one batch -----------------------------------------------------------------
     def generate_groups(self) -> list[Trajectory]:
-        """Samples one batch of groups with the loaded weights and scores it."""
+        """Samples one batch of groups with the loaded weights and scores it; the groups
+        are contiguous, ``group_size`` trajectories each."""
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
         prompts = [encode_prompt(self.tok, ex) for ex in examples for _ in range(cfg.group_size)]
@@ -126,16 +133,21 @@ class RolloutWorker:
         return out
 
     # -- loop ----------------------------------------------------------------------
-    def _put_until_stored(self, trajectories: list[Trajectory]):
-        """Puts ``trajectories``, waiting out a full disk on the queue's side (the server
-        keeps nothing of a refused put, and ids make a repeated put idempotent)."""
+    def _put_until_stored(self, group: list[Trajectory]):
+        """Puts one group, waiting out a full disk on the queue's side (the server keeps
+        nothing of a refused put, and ids make a repeated put idempotent)."""
         while True:
             try:
-                return self.client.put(trajectories)
+                result = self.client.put(group)
             except QueueStorageError as e:
                 log.warning("queue cannot store the group (%s); retrying", e)
                 if self.stop_event.wait(self.cfg.pause_poll_s):
                     return None
+                continue
+            # one line per put: what a vanished worker had delivered can be counted
+            log.info("worker %s put group %s: %d of %d stored", self.cfg.worker_id,
+                     group[0].group_id, len(result.accepted), len(group))
+            return result
 
     def run(self, max_batches: int | None = None, install_signal_handlers: bool = True) -> int:
         """Runs until SIGTERM/SIGINT, ``stop_event`` or ``max_batches``; returns the
@@ -152,12 +164,14 @@ class RolloutWorker:
                 continue
             trajectories = self.generate_groups()
             # Put even if a stop arrived while sampling: the work is finished, keep it.
-            result = self._put_until_stored(trajectories)
-            if result is None:  # stopped while the queue's disk was full: this group is lost
-                break
-            rejected = getattr(result, "rejected", None)
-            if rejected:
-                log.error("queue rejected %d trajectories: %s", len(rejected), rejected[:3])
-            self.produced += len(trajectories)
+            for i in range(0, len(trajectories), self.cfg.group_size):
+                group = trajectories[i:i + self.cfg.group_size]
+                result = self._put_until_stored(group)
+                if result is None:  # stopped while the queue's disk was full: group lost
+                    return self.produced
+                if result.rejected:
+                    log.error("queue rejected %d trajectories: %s", len(result.rejected),
+                              result.rejected[:3])
+                self.produced += len(group)
             done += 1
         return self.produced

@@ -157,3 +157,32 @@ def test_make_engine_builds_the_configured_engine():
     assert engine.sample_dtype == jnp.float32 and engine.pad_id == tok.pad_id
     with pytest.raises(ValueError, match="sample_dtype"):
         make_engine(RolloutConfig(engine="builtin", sample_dtype="int8"), tok)
+
+
+def test_each_group_is_its_own_put(tmp_path, queue):
+    """A batch of groups goes to the queue one group per put, so a worker that dies
+    between puts has delivered every group it finished before."""
+    tok = CharTokenizer()
+    task = ArithmeticTask()
+    canary = [tok.bos_id, *tok.encode("1+1=2"), tok.eos_id]
+    _publish(WeightPublisher(tmp_path / "weights"), _model(tok, 0), 0, canary)
+    puts = []
+
+    class RecordingClient:  # the real client, recording the size of each put
+        def __getattr__(self, name):
+            return getattr(queue, name)
+
+        def put(self, trajectories):
+            puts.append(sorted({t.group_id for t in trajectories}))
+            return queue.put(trajectories)
+
+    cfg = WorkerConfig(group_size=4, prompts_per_batch=3, worker_id="g",
+                       sampling=SamplingParams(max_new_tokens=3, stop_token_ids=(tok.eos_id,)))
+    worker = RolloutWorker(BuiltinEngine("float32", pad_id=tok.pad_id), task, tok,
+                           RecordingClient(), WeightSubscriber(tmp_path / "weights"),
+                           iter(prompt_dataset(task, seed=0)), cfg)
+    assert worker.run(max_batches=1, install_signal_handlers=False) == 12
+    assert len(puts) == 3 and all(len(g) == 1 for g in puts)  # one group per put
+    assert len({g[0] for g in puts}) == 3
+    stats = queue.stats()
+    assert stats["accepted_total"] == 12 and stats["incomplete_groups"] == 0
