@@ -30,6 +30,8 @@ from satjax.weight_sync import WeightSubscriber
 # How long a worker started before the trainer waits for the trainer's run_config.yaml.
 CONFIG_WAIT_S = 600.0
 
+log = logging.getLogger(__name__)
+
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
@@ -63,13 +65,16 @@ def main(argv: list[str]) -> int:
     config_path = Path(args.config) if args.config else weights_config(args.weights)
     if args.config and not config_path.is_file():
         p.error(f"--config: must be a readable YAML file, got {args.config!r}")
-    # A worker may start before the trainer has written the weights directory.
+    # A worker may start before the trainer has created the weights directory (all pods
+    # of a job start together): it waits, saying what for.
     deadline = time.monotonic() + CONFIG_WAIT_S
+    if not config_path.is_file():
+        log.info("waiting for %s (the trainer writes it when it starts)", config_path)
     while not config_path.is_file():
         if time.monotonic() > deadline:
             p.error(f"--weights: must be a trainer's weights directory holding "
                     f"{config_path.name} (waited {CONFIG_WAIT_S:.0f}s), got {args.weights!r}")
-        time.sleep(1.0)
+        time.sleep(0.5)
     try:
         cfg = load_config(config_path)
     except ConfigError as e:
@@ -97,5 +102,5 @@ def main(argv: list[str]) -> int:
         ),
     )
     n = worker.run(max_batches=args.max_batches)
-    logging.getLogger(__name__).info("worker %s stopped after %d trajectories", wid, n)
+    log.info("worker %s stopped after %d trajectories", wid, n)
     return 0

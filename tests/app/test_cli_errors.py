@@ -54,8 +54,8 @@ CASES = [
     (["lag-sweep", "--variants", "gspo,nope"], 2, "satjax lag-sweep: error: --variants:"),
     (["lag-sweep", "--set", "gspo:objective.hparams.lam=0.5"], 2,
      "satjax lag-sweep: error: gspo: config key 'objective.hparams.lam'"),
-    (["rollout", "--run-dir", "/nonexistent/run", "--queue", "localhost:1"], 2,
-     "satjax rollout: error: "),
+    (["rollout", "--weights", "/nonexistent/run/weights", "--queue", "localhost:1"], 2,
+     "satjax rollout: error: set SATJAX_QUEUE_TOKEN"),
 ]
 
 

@@ -83,7 +83,8 @@ def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     assert json.loads(out.splitlines()[0])["reward_mean"] == rows[-1]["reward_mean"]
     assert out.splitlines()[-1].startswith(f"stopped at step {steps[-1]} of 500")
     assert out.splitlines()[-1].endswith(f"satjax train --set run_dir={run_dir} --resume")
-    leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True)
+    leftover = subprocess.run(["pgrep", "-f", "--", f"--weights {run_dir}/weights"],
+                              capture_output=True)
     assert leftover.stdout == b"", "a worker process outlived the trainer"
 
     r = subprocess.run([sys.executable, "-m", "satjax", "eval", "--config",
