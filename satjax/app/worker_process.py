@@ -5,9 +5,10 @@
 ``--weights`` is the trainer's weights directory (``<run_dir>/weights``, on a file system
 this host shares with the trainer). The run's config comes from the file the trainer
 writes there (``run_config.yaml``), so a worker needs nothing else; ``--config`` reads
-another one instead. The worker follows the versions published there and puts
-trajectories on the queue until SIGTERM. The queue token comes from
-``SATJAX_QUEUE_TOKEN`` (never from the command line, where ``ps`` shows it).
+another one instead and ``--set`` changes keys for this worker (its engine, say). The
+worker follows the versions published there and puts each group on the queue until
+SIGTERM. The queue token comes from ``SATJAX_QUEUE_TOKEN`` (never from the command line,
+where ``ps`` shows it).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def main(argv: list[str]) -> int:
                         "the trainer's host); holds the run's run_config.yaml")
     p.add_argument("--config", default=None,
                    help="run config YAML to use instead of DIR/run_config.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of that config for this worker (repeatable), e.g. "
+                        "--set rollout.engine=vllm --set rollout.vllm_python=/opt/vllm/bin/"
+                        "python on a GPU node")
     p.add_argument("--worker-id", default="0",
                    help="this worker's id (seeds its prompts; give each worker its own; "
                         "default: %(default)s)")
@@ -76,7 +81,7 @@ def main(argv: list[str]) -> int:
                     f"{config_path.name} (waited {CONFIG_WAIT_S:.0f}s), got {args.weights!r}")
         time.sleep(0.5)
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, args.overrides)
     except ConfigError as e:
         p.error(f"{config_path}: {e}")
     tokenizer = build_tokenizer(cfg)

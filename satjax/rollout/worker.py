@@ -17,6 +17,7 @@ may therefore join and leave at any time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -24,6 +25,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -32,9 +34,25 @@ from satjax.data.tasks import Example
 from satjax.queue.client import QueueStorageError
 from satjax.rollout.engine import Engine, SamplingParams
 from satjax.trajectory import Trajectory
-from satjax.weight_sync import WeightSubscriber, check_canary
+from satjax.weight_sync import WeightSubscriber, WeightSyncError, check_canary
 
 log = logging.getLogger(__name__)
+
+# On a bucket mount a version's files appear one by one (its rename is a copy): how long a
+# worker waits for the rest once the manifest is there.
+FILES_WAIT_S = 120.0
+
+
+def checkpoint_complete(path: Path) -> bool:
+    """Whether every file of the Hugging Face checkpoint in ``path`` is present:
+    ``config.json`` and ``model.safetensors``, or the index and every shard it names."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return all((path / name).is_file() for name in shards)
+    return (path / "model.safetensors").is_file()
 
 
 @dataclasses.dataclass
@@ -77,6 +95,13 @@ class RolloutWorker:
         if wanted is None or wanted == self.engine.version:
             return False
         path = self.subscriber.wait_for(wanted)
+        deadline = time.monotonic() + FILES_WAIT_S
+        while not checkpoint_complete(path):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"version {wanted} in {path}: files still missing "
+                                      f"{FILES_WAIT_S:.0f}s after its manifest appeared")
+            if self.stop_event.wait(self.cfg.pause_poll_s):
+                return False
         manifest = self.subscriber.manifest(wanted)
         self.engine.load(path, wanted)
         canary = manifest.get("canary")

@@ -186,3 +186,23 @@ def test_each_group_is_its_own_put(tmp_path, queue):
     assert len({g[0] for g in puts}) == 3
     stats = queue.stats()
     assert stats["accepted_total"] == 12 and stats["incomplete_groups"] == 0
+
+
+def test_worker_waits_for_files_that_arrive_after_the_manifest(tmp_path, queue):
+    """On a bucket mount a version's files appear one by one: a worker that sees the
+    manifest first waits for the weights instead of failing or loading half a version."""
+    import shutil
+    import threading
+
+    tok = CharTokenizer()
+    canary = [tok.bos_id, *tok.encode("2+2=4"), tok.eos_id]
+    _publish(WeightPublisher(tmp_path / "weights"), _model(tok, 0), 0, canary)
+    weights = tmp_path / "weights" / "v00000000" / "model.safetensors"
+    shutil.move(weights, tmp_path / "held")  # as if the copy had not reached it yet
+    engine = BuiltinEngine("float32", pad_id=tok.pad_id)
+    worker = RolloutWorker(engine, ArithmeticTask(), tok, queue,
+                           WeightSubscriber(tmp_path / "weights"), iter([]), WorkerConfig())
+    timer = threading.Timer(0.5, shutil.move, (tmp_path / "held", weights))
+    timer.start()
+    assert worker.maybe_sync() and engine.version == 0  # loaded once the file arrived
+    timer.join()
