@@ -47,7 +47,7 @@ from satjax.parallel import constrain
 Array = jax.Array
 MOE_IMPLS = ("auto", "bucketed", "blocked", "ragged", "dense_einsum")
 # bucket capacities of "bucketed" as multiples of the mean expert load N*k/E: 1.25 holds a
-# near-balanced router, 2 and 3 skewed ones; beyond ~3 the blocked fallback is cheaper (measured)
+# near-balanced router, 2 and 3 skewed ones; past 3 the blocked fallback does less work
 BUCKET_FACTORS = (1.25, 2.0, 3.0)
 
 
