@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained
-from satjax.model.tokenizer import CharTokenizer
-from satjax.rollout.builtin_engine import BuiltinEngine
-from satjax.rollout.engine import SamplingParams
-from satjax.rollout.vllm_engine import VllmEngine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import print_versions  # noqa: E402
+
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained  # noqa: E402
+from satjax.model.tokenizer import CharTokenizer  # noqa: E402
+from satjax.rollout.builtin_engine import BuiltinEngine  # noqa: E402
+from satjax.rollout.engine import SamplingParams  # noqa: E402
+from satjax.rollout.vllm_engine import VllmEngine  # noqa: E402
 
 
 def model_config(hidden: int) -> Qwen3MoeConfig:
@@ -138,6 +142,7 @@ def main() -> None:
     p.add_argument("--sizes", default="64,256,512", help="hidden sizes; the first is the "
                    "throughput model (64 = the tiny preset)")
     args = p.parse_args()
+    print_versions()
     sizes = [int(s) for s in args.sizes.split(",")]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     ps = prompts(args.prompts)
