@@ -236,15 +236,18 @@ def main() -> None:
     if args.hf_server:
         hf_server(args.hf_server[0], args.hf_server[1], int(args.hf_server[2]))
         return
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CASES]
+    if unknown:
+        print(f"--configs: must be among {sorted(CASES)}, got {unknown[0]!r}", file=sys.stderr)
+        raise SystemExit(2)
     threads = len(os.sched_getaffinity(0))  # XLA:CPU sizes its intra-op pool to these
     print_versions()
     peak = matmul_peak_gflops()
     bandwidth = memory_bandwidth_gbs()
     print(f"threads: XLA {threads} CPUs, torch.set_num_threads({threads}); jitted fp32 matmul "
           f"peak {peak:.0f} GFLOP/s; memory copy bandwidth {bandwidth:.1f} GB/s", flush=True)
-    for name in args.configs.split(","):
-        if name not in CASES:
-            raise SystemExit(f"--configs: must be among {sorted(CASES)}, got {name!r}")
+    for name in configs:
         bench_train(name, CASES[name], args.impls.split(","), args.repeats, peak, threads)
     bench_decode(CASES["bench"], args.decode_tokens, bandwidth)
 
