@@ -18,6 +18,12 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
   size and the blocks run as one batched matmul against per-block gathered expert weights
   (MegaBlocks-style, static shapes); cost O(N*k + E*block). XLA:CPU lowers ragged_dot
   densely, so this is ~4x faster there.
+* ``"bucketed"``: the same sort into E per-expert buckets of one static capacity C, run as
+  one [E, C, D] batched matmul against the expert weights as stored (no per-block weight
+  gather, whose copies and per-block weight gradients dominate "blocked" on CPU). C is the
+  smallest of ``BUCKET_FACTORS`` x N*k/E (rounded up to 8) that holds the busiest expert,
+  picked at run time with ``lax.switch``; when none does the step falls back to "blocked",
+  so it stays dropless and exact; cost O(N*k*factor) in the common case.
 * ``"auto"`` (default): "blocked" on CPU, "ragged" elsewhere.
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
@@ -27,16 +33,22 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from satjax.model.layers import make_param
 from satjax.parallel import constrain
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "blocked", "ragged", "dense_einsum")
+MOE_IMPLS = ("auto", "bucketed", "blocked", "ragged", "dense_einsum")
+# bucket capacities of "bucketed" as multiples of the mean expert load N*k/E: 1.25 holds a
+# near-balanced router, 2 and 3 skewed ones; past 3 the blocked fallback does less work
+BUCKET_FACTORS = (1.25, 2.0, 3.0)
 
 
 @jax.tree_util.register_dataclass
@@ -127,6 +139,91 @@ def blocked_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_u
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
+def _bucket_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                    w_down: Array, capacity: int) -> Array:
+    """Sorted dispatch into [E, capacity] buckets; requires every expert's load <= capacity."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    m = n * k
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    sizes = jnp.bincount(flat, length=num_experts)
+    start = jnp.cumsum(sizes) - sizes
+    dest = (sorted_e * capacity + jnp.arange(m) - start[sorted_e]).astype(jnp.int32)
+    slot = jnp.zeros((m,), jnp.int32).at[order].set(dest)  # bucket row of each (token, j)
+    # each bucket row names its source token; empty rows read an appended zero row
+    src = jnp.full((num_experts * capacity,), n, jnp.int32).at[slot].set(
+        jnp.arange(m, dtype=jnp.int32) // k)
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src]
+    xs = xs.reshape(num_experts, capacity, -1)
+    g = jnp.einsum("ecd,edf->ecf", xs, w_gate)
+    u = jnp.einsum("ecd,edf->ecf", xs, w_up)
+    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(g) * u, w_down)
+    y = y.reshape(num_experts * capacity, -1)[slot].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def bucket_capacities(m: int, num_experts: int) -> tuple[int, ...]:
+    """Static capacities (multiples of 8) tried by "bucketed" for m = N*k pairs; the list
+    stops at the first one that holds all m (then no fallback is needed)."""
+    caps: list[int] = []
+    for f in BUCKET_FACTORS:
+        c = min(math.ceil(m * f / num_experts / 8) * 8, math.ceil(m / 8) * 8)
+        if not caps or c > caps[-1]:
+            caps.append(c)
+        if c >= m:
+            break
+    return tuple(caps)
+
+
+def _bucketed_branches(experts: Array, num_experts: int) -> tuple[Array, list]:
+    """The ``lax.switch`` index and branches of "bucketed" for routes [N, k]."""
+    n, k = experts.shape
+    caps = bucket_capacities(n * k, num_experts)
+    branches = [functools.partial(_bucket_experts, capacity=c) for c in caps]
+    if caps[-1] < n * k:
+        branches.append(blocked_experts)
+    busiest = jnp.max(jnp.bincount(experts.reshape(-1), length=num_experts))
+    return jnp.sum(busiest > jnp.asarray(caps, jnp.int32)).astype(jnp.int32), branches
+
+
+# A custom VJP because differentiating lax.switch makes every branch return the residuals
+# of all branches (zero-filled), which costs more than the matmuls; the backward instead
+# recomputes the taken branch's forward from the inputs (MoE-block rematerialisation).
+@jax.custom_vjp
+def bucketed_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                     w_down: Array) -> Array:
+    """Dropless bucketed dispatch (see module docstring). x [N, D]; experts [N, k] -> [N, D]."""
+    index, branches = _bucketed_branches(experts, w_gate.shape[0])
+    return jax.lax.switch(index, branches, x, experts, weights, w_gate, w_up, w_down)
+
+
+def _bucketed_fwd(x, experts, weights, w_gate, w_up, w_down):
+    out = bucketed_experts(x, experts, weights, w_gate, w_up, w_down)
+    return out, (x, experts, weights, w_gate, w_up, w_down)
+
+
+def _bucketed_bwd(res, g):
+    x, experts, weights, w_gate, w_up, w_down = res
+    index, branches = _bucketed_branches(experts, w_gate.shape[0])
+
+    def grad_of(branch):
+        def f(x, weights, w_gate, w_up, w_down, g):
+            _, vjp = jax.vjp(lambda *a: branch(a[0], experts, *a[1:]), x, weights, w_gate,
+                             w_up, w_down)
+            return vjp(g)
+        return f
+
+    dx, dweights, dg, du, dd = jax.lax.switch(index, [grad_of(b) for b in branches], x,
+                                              weights, w_gate, w_up, w_down, g)
+    zero_experts = np.zeros(experts.shape, jax.dtypes.float0)
+    return dx, zero_experts, dweights, dg, du, dd
+
+
+bucketed_experts.defvjp(_bucketed_fwd, _bucketed_bwd)
+
+
 def resolve_moe_impl(moe_impl: str) -> str:
     """Map "auto" to the fastest dropless implementation for the default backend."""
     if moe_impl not in MOE_IMPLS:
@@ -149,6 +246,7 @@ def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array
 
 
 _IMPLS = {"ragged": ragged_experts, "blocked": blocked_experts,
+          "bucketed": bucketed_experts,
           "dense_einsum": dense_einsum_experts}
 
 

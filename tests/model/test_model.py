@@ -9,7 +9,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from satjax.model.moe import blocked_experts, dense_einsum_experts, ragged_experts, route
+from satjax.model.moe import (
+    blocked_experts,
+    bucket_capacities,
+    bucketed_experts,
+    dense_einsum_experts,
+    ragged_experts,
+    route,
+)
 
 ALLOWED_AXES = {"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "experts",
                 "expert_mlp", None}
@@ -111,12 +118,38 @@ def test_ragged_and_dense_dispatch_agree_with_loop_reference():
             ex = int(experts[i, j])
             g, u = xn[i] @ wgn[ex], xn[i] @ wun[ex]
             ref[i] += float(weights[i, j]) * ((g / (1 + np.exp(-g)) * u) @ wdn[ex])
-    for fn in (ragged_experts, blocked_experts, dense_einsum_experts):
+    for fn in (ragged_experts, blocked_experts, bucketed_experts, dense_einsum_experts):
         np.testing.assert_allclose(jax.jit(fn)(x, experts, weights, wg, wu, wd), ref, rtol=1e-5,
                                    atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "ragged", "dense_einsum"])
+def test_bucketed_every_branch_equals_blocked_with_gradients():
+    """Balanced, skewed and all-on-one-expert routes take different lax.switch branches
+    (bucket capacities, then the blocked fallback); values and gradients must match."""
+    n, d, f, e, k = 32, 8, 12, 4, 2
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (n, d))
+    wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in keys[1:3])
+    wd = jax.random.normal(keys[3], (e, f, d))
+    weights = jax.nn.softmax(jax.random.normal(keys[4], (n, k)), axis=-1)
+    caps = bucket_capacities(n * k, e)
+    assert caps == (24, 32, 48)  # 1.25, 2 and 3 x the mean load 16, rounded up to 8
+    balanced = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], axis=1)
+    skewed = balanced.at[:, 0].set(jnp.where(jnp.arange(n) < 28, 0, 1))  # load 28 + 8
+    one = jnp.stack([jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32)], axis=1).at[:, 1].set(
+        jnp.where(jnp.arange(n) < 30, 0, 1))  # expert 0 used twice by most: load 62 > 48
+    loss = lambda fn, ex: lambda *a: jnp.sum(fn(a[0], ex, *a[1:]) ** 2)  # noqa: E731
+    for ex in (balanced, skewed, one):
+        busiest = int(jnp.max(jnp.bincount(ex.reshape(-1), length=e)))
+        want = jax.value_and_grad(loss(blocked_experts, ex), argnums=range(5))(
+            x, weights, wg, wu, wd)
+        got = jax.jit(jax.value_and_grad(loss(bucketed_experts, ex), argnums=range(5)))(
+            x, weights, wg, wu, wd)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=f"load {busiest}")
+
+
+@pytest.mark.parametrize("impl", ["blocked", "bucketed", "ragged", "dense_einsum"])
 def test_replay_own_routes_is_exact(cfg, model, impl):
     assert model.layers[0].mlp.moe_impl == "blocked"  # "auto" on CPU
     if impl != "blocked":
@@ -187,6 +220,7 @@ def test_replay_other_routes_changes_output_and_trains_router():
 
 @pytest.mark.parametrize("impl,axis_type", [("blocked", AxisType.Auto),
                                             ("blocked", AxisType.Explicit),
+                                            ("bucketed", AxisType.Auto),
                                             ("ragged", AxisType.Auto),
                                             ("dense_einsum", AxisType.Auto)])
 def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
