@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -193,38 +194,68 @@ def data_parallel_size(mesh: Mesh, rules: LogicalRules = LOGICAL_RULES) -> int:
     return math.prod(mesh.shape[a] for a in _rule_table(rules)["batch"])
 
 
+# Environment fallbacks of ``satjax train --coordinator/--num-processes/--process-id``.
+DISTRIBUTED_ENV = ("SATJAX_COORDINATOR", "SATJAX_NUM_PROCESSES", "SATJAX_PROCESS_ID")
+# A process whose peer stopped heart-beating for this long aborts (jax.distributed's own
+# failure detection): one dead host stops the whole job within seconds instead of leaving
+# the others blocked in a collective. jax's default (100 s) is tuned for huge pods.
+HEARTBEAT_TIMEOUT_S = 10
+
+
 def init_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
-    local_device_ids: Sequence[int] | None = None,
     *,
+    auto: bool = False,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    environ: dict[str, str] | None = None,
     initialize: Callable[..., None] | None = None,
-) -> None:
-    """Multi-host setup: a thin wrapper around ``jax.distributed.initialize``.
+) -> bool:
+    """Joins this process to a multi-process JAX job; returns whether it is one.
 
-    On a TPU slice (and on SLURM / Open MPI GPU clusters) call it with no arguments:
-    JAX discovers the coordinator and process ids from the environment. On a bare
-    multi-node GPU setup pass ``coordinator_address="host0:1234"``, ``num_processes``,
-    and ``process_id`` (see docs/parallel.md). Single-process runs (one process, one or
-    more local devices) need no call; ``num_processes == 1`` is a no-op.
+    A thin wrapper around ``jax.distributed.initialize`` (the multi-controller runtime:
+    every process runs the same program on its local devices of one global mesh).
+    Arguments not given are read from ``SATJAX_COORDINATOR``, ``SATJAX_NUM_PROCESSES``
+    and ``SATJAX_PROCESS_ID``. With none of them and ``auto``, JAX detects the cluster
+    itself (TPU VM slices, SLURM, Open MPI). With none and not ``auto`` (or one process)
+    nothing happens: a single-process run. On CPU the collectives go through gloo.
+
+    Must run before anything touches a JAX device. See docs/parallel.md for launch
+    recipes.
     """
-    if num_processes == 1:
-        return
+    env = os.environ if environ is None else environ
+    coord = coordinator_address or env.get(DISTRIBUTED_ENV[0]) or None
+    n = num_processes if num_processes is not None else _env_int(env, DISTRIBUTED_ENV[1])
+    pid = process_id if process_id is not None else _env_int(env, DISTRIBUTED_ENV[2])
+    if n == 1 or (coord is None and n is None and pid is None and not auto):
+        return False
+    if coord is not None and (n is None or pid is None):
+        raise ValueError("init_distributed: a coordinator needs the process count and this "
+                         f"process's id, got num_processes={n!r}, process_id={pid!r}")
+    if pid is not None and n is not None and not 0 <= pid < n:
+        raise ValueError(f"process_id: must be in [0, {n}), got {pid!r}")
     init = initialize or jax.distributed.initialize
-    kwargs: dict[str, Any] = {}
-    if coordinator_address is not None:
-        kwargs["coordinator_address"] = coordinator_address
-    if num_processes is not None:
-        kwargs["num_processes"] = num_processes
-    if process_id is not None:
-        kwargs["process_id"] = process_id
-    if local_device_ids is not None:
-        kwargs["local_device_ids"] = list(local_device_ids)
+    if initialize is None:  # XLA:CPU has no cross-process collectives of its own
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": int(heartbeat_timeout_s)}
+    if coord is not None:
+        kwargs["coordinator_address"] = coord
+    if n is not None:
+        kwargs["num_processes"] = n
+    if pid is not None:
+        kwargs["process_id"] = pid
     init(**kwargs)
-    log.info(
-        "jax.distributed initialised: process %d of %d, %d global devices",
-        jax.process_index(),
-        jax.process_count(),
-        jax.device_count(),
-    )
+    log.info("jax.distributed initialised: process %d of %d, %d global devices",
+             jax.process_index(), jax.process_count(), jax.device_count())
+    return True
+
+
+def _env_int(env: dict[str, str] | os._Environ, name: str) -> int | None:
+    value = env.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: must be an integer, got {value!r}") from None

@@ -13,6 +13,7 @@ import shutil
 import jax
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from satjax import parallel
 from satjax.config import Config
@@ -87,12 +88,22 @@ class Trainer:
 
     def publish(self) -> None:
         """Publishes the current weights as version ``policy_version`` (idempotent on
-        resume: versions beyond a restored checkpoint are deleted first)."""
+        resume: versions beyond a restored checkpoint are deleted first).
+
+        Every process of a multi-process run calls it (the parameters are gathered
+        with a collective); process 0 writes the version.
+        """
         v = self.policy_version
+        model = self.train_state().model
+        if jax.process_count() > 1:
+            graphdef, params = nnx.split(model)
+            # every shard to every process (numpy); only process 0 uses it
+            model = nnx.merge(graphdef, multihost_utils.process_allgather(params, tiled=True))
+            if jax.process_index() != 0:
+                return
         for stale in published_versions(self.dirs.weights):
             if stale >= v:  # from a timeline a crash discarded, or this very version
                 shutil.rmtree(self.dirs.version(stale), ignore_errors=True)
-        model = self.train_state().model
         lag = self.cfg.train.exact_lag
         self.publisher.publish(
             v, lambda d: save_pretrained(model, str(d)),

@@ -112,12 +112,27 @@ def test_batch_sharding_with_fallback(synthetic_batch):
     assert parallel.data_parallel_size(mesh) == 8
 
 
-def test_init_distributed_passes_arguments():
+def test_init_distributed_arguments_and_environment():
     calls = []
-    parallel.init_distributed("host0:1234", 2, 1, initialize=lambda **kw: calls.append(kw))
-    assert calls == [{"coordinator_address": "host0:1234", "num_processes": 2, "process_id": 1}]
-    parallel.init_distributed(num_processes=1, initialize=lambda **kw: calls.append(kw))
-    assert len(calls) == 1  # single process: no-op
+    init = lambda **kw: calls.append(kw)  # noqa: E731
+    assert parallel.init_distributed("host0:1234", 2, 1, initialize=init, environ={})
+    assert calls[-1] == {"coordinator_address": "host0:1234", "num_processes": 2,
+                         "process_id": 1, "heartbeat_timeout_seconds": 10}
+    env = {"SATJAX_COORDINATOR": "h:1", "SATJAX_NUM_PROCESSES": "4", "SATJAX_PROCESS_ID": "3"}
+    assert parallel.init_distributed(initialize=init, environ=env)
+    assert calls[-1]["coordinator_address"] == "h:1" and calls[-1]["process_id"] == 3
+    assert parallel.init_distributed(auto=True, initialize=init, environ={})
+    assert set(calls[-1]) == {"heartbeat_timeout_seconds"}  # JAX detects the cluster
+    n = len(calls)
+    assert not parallel.init_distributed(initialize=init, environ={})  # single process
+    assert not parallel.init_distributed(num_processes=1, initialize=init, environ={})
+    assert len(calls) == n
+    with pytest.raises(ValueError, match="process count"):
+        parallel.init_distributed("h:1", initialize=init, environ={})
+    with pytest.raises(ValueError, match=r"process_id: must be in \[0, 2\)"):
+        parallel.init_distributed("h:1", 2, 2, initialize=init, environ={})
+    with pytest.raises(ValueError, match="SATJAX_PROCESS_ID: must be an integer"):
+        parallel.init_distributed(initialize=init, environ={**env, "SATJAX_PROCESS_ID": "x"})
 
 
 def test_sharded_step_compiles_without_full_rematerialization(capfd, make_state, mesh_of,
