@@ -149,7 +149,27 @@ def train(argv: list[str]) -> int:
                    help="continue the run in run_dir with its saved config.yaml (--set may "
                         "change only train.steps, checkpoint.*, eval.*, rollout.num_workers, "
                         "queue.*)")
+    g = p.add_argument_group(
+        "multi-process (one satjax train per host; see docs/parallel.md)",
+        "Process 0 runs the queue and the workers and consumes the queue; every process "
+        "trains on its devices of one global mesh. Each flag falls back to its environment "
+        "variable.")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed ($SATJAX_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, metavar="N",
+                   help="number of processes ($SATJAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help="this process's id in [0, N) ($SATJAX_PROCESS_ID)")
+    g.add_argument("--distributed", action="store_true",
+                   help="let JAX detect the cluster (TPU VM slices, SLURM, Open MPI)")
     args = p.parse_args(argv)
+    from satjax import parallel
+
+    try:  # before anything touches a device: the mesh check counts the global devices
+        parallel.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                                  auto=args.distributed)
+    except ValueError as e:
+        fail(p, str(e))
     cfg = load(p, args)
     dirs = RunDirs(cfg.run_dir)
     if args.resume:

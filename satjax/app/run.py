@@ -21,6 +21,7 @@ the library :class:`~satjax.train.trainer.Trainer` just takes the policy it star
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -114,6 +115,23 @@ def sft_settings(cfg: Config) -> dict[str, Any]:
     }))  # through JSON: tuples become lists, as they read back
 
 
+def _cached_warm_start(dirs: RunDirs, settings: dict[str, Any]) -> bool | None:
+    """Whether ``dirs.sft`` holds the warm-up made with ``settings`` (None: no cache)."""
+    if not (dirs.sft / "config.json").exists():
+        return None
+    cached = json.loads(dirs.sft_settings.read_text()) if dirs.sft_settings.exists() else {}
+    return cached == settings
+
+
+def wait_for_warm_start(cfg: Config, poll_s: float = 1.0) -> None:
+    """Blocks (a multi-process run's other processes) until process 0's warm-up for
+    ``cfg`` is in the run directory; returns at once with ``model.path`` (nothing to
+    wait for). If process 0 dies meanwhile, jax.distributed's heartbeat ends this one."""
+    dirs, settings = RunDirs(cfg.run_dir), sft_settings(cfg)
+    while not cfg.model.path and not _cached_warm_start(dirs, settings):
+        time.sleep(poll_s)
+
+
 def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every: int = 10):
     """The policy RL starts from: ``model.path``; else the cached SFT warm-up of this run
     if it was made with the same settings (:func:`sft_settings`); else a fresh tiny MoE
@@ -123,11 +141,11 @@ def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every
         status(f"loading the policy from {cfg.model.path}")
         return build_model(cfg, tokenizer)
     settings = sft_settings(cfg)
-    if (dirs.sft / "config.json").exists():
-        cached = json.loads(dirs.sft_settings.read_text()) if dirs.sft_settings.exists() else {}
-        if cached == settings:
-            status(f"loading the cached warm-up from {dirs.sft}")
-            return from_pretrained(str(dirs.sft))
+    cached = _cached_warm_start(dirs, settings)
+    if cached:
+        status(f"loading the cached warm-up from {dirs.sft}")
+        return from_pretrained(str(dirs.sft))
+    if cached is False:
         status(f"the cached warm-up in {dirs.sft} was made with other settings; re-running it")
     model = build_model(cfg, tokenizer)
     if cfg.sft.steps > 0:
@@ -251,38 +269,55 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
               log_every: int = 10) -> RunOutcome:
     """Runs ``cfg.train.steps`` RL steps with a local queue server and rollout workers
     (or the queue at ``cfg.queue.address``). ``log_every``: with ``progress`` off, one
-    status line per that many steps."""
+    status line per that many steps.
+
+    In a multi-process run (``parallel.init_distributed`` called first) every process
+    calls it: process 0 alone writes the run directory's files, runs the queue and the
+    workers, consumes and acknowledges batches, logs metrics and shows progress; every
+    process trains on the batch process 0 read (``satjax.app.multihost``), checkpoints
+    cooperatively and takes part in publishing.
+    """
+    from satjax.app.multihost import Peers, Poll
     from satjax.queue.client import (  # imported late: grpc is heavy
         QueueClient,
         QueueUnavailableError,
     )
 
+    peers = Peers()
+    primary = peers.primary
+    say = status if primary else (lambda message: None)
     dirs = RunDirs(cfg.run_dir)
     if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
         # checked here too (the Trainer does) so that this run's config.yaml is never
         # written over the one of the run that is there
         raise FileExistsError(f"run_dir {cfg.run_dir!r}: already has checkpoints; pass "
                               "--resume to continue it or choose another run_dir")
-    dirs.root.mkdir(parents=True, exist_ok=True)
-    # written first: the workers build their pieces from it and --resume reloads it
-    dirs.config.write_text(dump_config(public_config(cfg)))
-    # and next to the weights, whole (atomic): all a worker on another host reads
-    dirs.weights.mkdir(parents=True, exist_ok=True)
-    atomic_write(dirs.weights_config, dump_config(public_config(cfg)))
+    if primary:
+        dirs.root.mkdir(parents=True, exist_ok=True)
+        # written first: the workers build their pieces from it and --resume reloads it
+        dirs.config.write_text(dump_config(public_config(cfg)))
+        # and next to the weights, whole (atomic): all a worker on another host reads
+        dirs.weights.mkdir(parents=True, exist_ok=True)
+        atomic_write(dirs.weights_config, dump_config(public_config(cfg)))
     tokenizer, task = build_tokenizer(cfg), build_task(cfg)
-    trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress,
+    if not primary:  # process 0 makes (or finds) the warm-up; the others load it
+        wait_for_warm_start(cfg)
+    trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress and primary,
                                       log_every=log_every), tokenizer, resume=resume)
     if trainer.step:
-        status(f"resumed from the checkpoint at step {trainer.step}")
+        say(f"resumed from the checkpoint at step {trainer.step}")
     token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()
     env = {"SATJAX_QUEUE_TOKEN": token}
     n_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     last: dict[str, Any] = {}
     interrupted = False
     resume_step = trainer.step if resume else None  # re-run steps replace their old lines
-    with ProcessGroup() as procs, MetricsLogger(dirs.logs, resume_step=resume_step) as mlog:
+    with contextlib.ExitStack() as stack:
+        procs = stack.enter_context(ProcessGroup())
+        mlog = stack.enter_context(MetricsLogger(dirs.logs, resume_step=resume_step)) \
+            if primary else None
         address = cfg.queue.address or f"127.0.0.1:{free_port()}"
-        client = QueueClient(address, token=token)
+        client = QueueClient(address, token=token) if primary else None
 
         def queue_ready() -> bool:
             try:
@@ -291,9 +326,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
             except QueueUnavailableError:
                 return False
 
-        if cfg.queue.address:
+        if primary and cfg.queue.address:
             client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
-        else:
+        elif primary:
             status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
             procs.start_until_ready(
                 "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
@@ -302,32 +337,33 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                           *queue_limit_flags(cfg, trainer.model_config)],
                 log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
                 timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
-        status(f"publishing weights v{trainer.policy_version}")
+        say(f"publishing weights v{trainer.policy_version}")
         trainer.publish()
-        status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
-               f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers else
-               f"no local workers: `satjax rollout --queue {address} --weights {dirs.weights}`")
-        for i in range(cfg.rollout.num_workers):
-            procs.start(f"worker{i}", ["rollout", "--queue", address, "--weights",
-                                       str(dirs.weights), "--worker-id", str(i),
-                                       "--log-dir", str(dirs.vllm_logs(str(i)))],
-                        log_file=dirs.process_log(f"worker{i}"), env=env)
+        if primary:
+            status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
+                   f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers
+                   else f"no local workers: `satjax rollout --queue {address} --weights "
+                        f"{dirs.weights}`")
+            for i in range(cfg.rollout.num_workers):
+                procs.start(f"worker{i}", ["rollout", "--queue", address, "--weights",
+                                           str(dirs.weights), "--worker-id", str(i),
+                                           "--log-dir", str(dirs.vllm_logs(str(i)))],
+                            log_file=dirs.process_log(f"worker{i}"), env=env)
         bar = Progress("rl", cfg.train.steps, initial=trainer.step, enabled=progress,
-                       log_every=log_every)
+                       log_every=log_every) if primary else None
         t_last = time.time()
         first_batch = True  # after a restart, re-read what the lost steps had consumed
         logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
         unacked = PendingAcks()
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
-        try:
-            while trainer.step < cfg.train.steps and not stop.requested:
-                got = None
-                if first_batch:
-                    status("waiting for the first rollouts (workers load the model and "
-                           "compile the sampler)")
-                while got is None or not got.trajectories:
-                    if stop.requested:
-                        break
+
+        def next_batch():
+            """(trajectories, the primary's TrajectoryBatch) or None to stop; the same
+            answer on every process (any process's stop request stops them all)."""
+            nonlocal first_batch
+            while True:
+                got, poll = None, Poll.STOP if stop.requested else Poll.EMPTY
+                if primary and poll == Poll.EMPTY:
                     procs.check_alive()
                     # An empty reply means fewer than n_rows fresh trajectories so far.
                     got = client.get_batch(n_rows, trainer_version=trainer.policy_version,
@@ -337,43 +373,68 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                                            # explicitly (the queue refuses a 2nd consumer)
                                            take_over=first_batch and resume)
                     first_batch = False
-                if stop.requested:
+                    poll = Poll.BATCH if got.trajectories else Poll.EMPTY
+                poll, trajectories, any_stop = peers.agree(
+                    poll, got.trajectories if got else None, stop=stop.requested,
+                    num_experts=trainer.model_config.num_experts)
+                if any_stop or poll == Poll.STOP:
+                    return None
+                if poll == Poll.BATCH:
+                    return trajectories, got
+
+        try:
+            while trainer.step < cfg.train.steps:
+                if first_batch:
+                    say("waiting for the first rollouts (workers load the model and "
+                        "compile the sampler)")
+                delivered = next_batch()
+                if delivered is None:
                     break
+                trajectories, got = delivered
                 if not last:
-                    status("compiling the train step (the first step; later ones are fast)")
-                metrics = trainer.train_on(got.trajectories)
-                unacked.add(got.cursor)
-                trainer.queue_cursor = max(unacked.cursors)
-                now = time.time()
-                metrics["queue/dropped_stale"] = float(got.dropped_stale)
-                metrics["trajectories_per_s"] = len(got.trajectories) / max(now - t_last, 1e-9)
-                t_last = now
-                # logged before publishing and checkpointing, so that a checkpoint (also the
-                # one a second Ctrl-C forces) never holds a step missing from metrics.jsonl
-                last = mlog.log(trainer.step, metrics)
-                mlog.flush()
+                    say("compiling the train step (the first step; later ones are fast)")
+                metrics = trainer.train_on(trajectories)
+                last = metrics
+                if primary:
+                    unacked.add(got.cursor)
+                    trainer.queue_cursor = max(unacked.cursors)
+                    now = time.time()
+                    metrics["queue/dropped_stale"] = float(got.dropped_stale)
+                    metrics["trajectories_per_s"] = len(trajectories) / max(now - t_last, 1e-9)
+                    t_last = now
+                    # logged before publishing and checkpointing, so that a checkpoint (also
+                    # the one a second Ctrl-C forces) never holds a step missing from
+                    # metrics.jsonl
+                    last = mlog.log(trainer.step, metrics)
+                    mlog.flush()
                 logged_step = trainer.step
-                if not stop.requested:  # stopping: the grace period is for the checkpoint
+                # stopping: the grace period is for the checkpoint (one process alone
+                # cannot skip a collective publish)
+                if peers.count > 1 or not stop.requested:
                     trainer.publish()
                 if trainer.save():
                     trainer.ckpt.wait()
-                    unacked.ack(client)
-                bar.update(step_postfix(metrics))
+                    if primary:
+                        unacked.ack(client)
+                if bar is not None:
+                    bar.update(step_postfix(metrics))
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
             log.warning("interrupted: stopping after step %d", logged_step)
         finally:
             interrupted = stop.requested or logged_step < cfg.train.steps
             stop.restore()
-            bar.close()
+            if bar is not None:
+                bar.close()
             # A step interrupted between its update and its metrics is not checkpointed
             # (the queue re-delivers its trajectories on resume).
             if logged_step > 0 and trainer.ckpt.latest_step() != logged_step \
                     and trainer.step == logged_step:
-                status(f"saving a checkpoint at step {logged_step}")
+                say(f"saving a checkpoint at step {logged_step}")
                 trainer.save(force=True)
                 trainer.ckpt.wait()
                 try:
-                    unacked.ack(client)
+                    if primary:
+                        unacked.ack(client)
                 except Exception as e:  # the checkpoint is safe; a re-read is the worst case
                     log.error("final queue ack failed: %s", e)
             checkpointed = trainer.ckpt.latest_step() or 0

@@ -1,0 +1,82 @@
+"""``satjax train`` as 2 processes x 4 CPU devices (jax.distributed over loopback, gloo).
+
+Real commands as a user would start them on two hosts: process 0 runs the queue server and
+the rollout worker and consumes the queue; both train on one 8-device mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from satjax.utils import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def start(run_dir: Path, pid: int, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env.pop("SATJAX_VLLM_PYTHON", None)
+    log = open(run_dir.parent / f"process{pid}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "satjax", "train", "--config", str(REPO / "configs/tiny.yaml"),
+         "--no-progress", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(pid), "--set", f"run_dir={run_dir}", "--set", "sft.steps=3",
+         "--set", "train.mesh={data: 2, fsdp: 2, expert: 2, tensor: 1}",
+         "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+         "--set", "checkpoint.every=2", *extra],
+        env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(f"--- process {i}\n" + (run_dir.parent / f"process{i}.log").read_text()[-2500:]
+                     for i in range(2))
+
+
+def test_two_processes_train_one_run_and_a_dead_peer_stops_the_other(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = [start(run_dir, i, port, "--set", "train.steps=3") for i in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs(run_dir)
+    rows = [json.loads(x) for x in (run_dir / "logs/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one writer: one line per step
+    assert all(r["sequences"] == 8 for r in rows)
+    assert (run_dir / "weights/LATEST").read_text() == "3"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) \
+        == ["2", "3"]
+    out0, out1 = ((run_dir.parent / f"process{i}.log").read_text() for i in range(2))
+    assert "starting the queue server" in out0 and "starting the queue server" not in out1
+    assert out0.splitlines()[-1].startswith("finished step 3 of 3")
+
+    # --resume on both continues the same run; then kill -9 of process 1 mid-run must
+    # end process 0 too (jax.distributed's heartbeat), not leave it waiting forever
+    port = free_port()
+    procs = [start(run_dir, i, port, "--resume", "--set", "train.steps=200") for i in range(2)]
+    try:
+        deadline = time.time() + 400
+        metrics = run_dir / "logs/metrics.jsonl"
+        while time.time() < deadline and len(metrics.read_text().splitlines()) < 5:
+            assert procs[0].poll() is None and procs[1].poll() is None, logs(run_dir)
+            time.sleep(0.5)
+        assert len(metrics.read_text().splitlines()) >= 5, logs(run_dir)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.time()
+        rc = procs[0].wait(timeout=60)
+        stopped_after = time.time() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert rc != 0, logs(run_dir)
+    assert stopped_after < 30, stopped_after
