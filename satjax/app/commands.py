@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import sys
 import traceback
@@ -190,6 +191,15 @@ def train(argv: list[str]) -> int:
     except Exception:
         traceback.print_exc()
         print(f"satjax train: failed; {_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
+        import jax
+
+        if jax.process_count() > 1:
+            # a normal exit runs jax.distributed's shutdown barrier, which waits for peers
+            # blocked in a collective this process left; ending here lets their heartbeat
+            # stop them within seconds
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:

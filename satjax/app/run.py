@@ -356,6 +356,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
         unacked = PendingAcks()
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
+        abandon = False  # set when a multi-process run fails here: no more collectives
 
         def next_batch():
             """(trajectories, the primary's TrajectoryBatch) or None to stop; the same
@@ -420,26 +421,33 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     bar.update(step_postfix(metrics))
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
             log.warning("interrupted: stopping after step %d", logged_step)
+        except BaseException:
+            # the peers wait in a collective this process will never join, and a final
+            # save is collective too: it would hang; the caller ends this process, and
+            # jax.distributed's heartbeat then stops the peers
+            abandon = peers.count > 1
+            raise
         finally:
             interrupted = stop.requested or logged_step < cfg.train.steps
             stop.restore()
             if bar is not None:
                 bar.close()
-            # A step interrupted between its update and its metrics is not checkpointed
-            # (the queue re-delivers its trajectories on resume).
-            if logged_step > 0 and trainer.ckpt.latest_step() != logged_step \
-                    and trainer.step == logged_step:
-                say(f"saving a checkpoint at step {logged_step}")
-                trainer.save(force=True)
-                trainer.ckpt.wait()
-                try:
-                    if primary:
-                        unacked.ack(client)
-                except Exception as e:  # the checkpoint is safe; a re-read is the worst case
-                    log.error("final queue ack failed: %s", e)
-            checkpointed = trainer.ckpt.latest_step() or 0
-            stop.checkpointed.set()
-            trainer.ckpt.close()
+            if not abandon:
+                # A step interrupted between its update and its metrics is not checkpointed
+                # (the queue re-delivers its trajectories on resume).
+                if logged_step > 0 and trainer.ckpt.latest_step() != logged_step \
+                        and trainer.step == logged_step:
+                    say(f"saving a checkpoint at step {logged_step}")
+                    trainer.save(force=True)
+                    trainer.ckpt.wait()
+                    try:
+                        if primary:
+                            unacked.ack(client)
+                    except Exception as e:  # the checkpoint is safe; a re-read is the worst case
+                        log.error("final queue ack failed: %s", e)
+                checkpointed = trainer.ckpt.latest_step() or 0
+                stop.checkpointed.set()
+                trainer.ckpt.close()
             procs.close()  # workers first (reverse start order), then the queue
     return RunOutcome(step=checkpointed, total=cfg.train.steps, last=last,
                       interrupted=interrupted)

@@ -80,3 +80,34 @@ def test_two_processes_train_one_run_and_a_dead_peer_stops_the_other(tmp_path):
             p.kill()
     assert rc != 0, logs(run_dir)
     assert stopped_after < 30, stopped_after
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_failure_inside_process_0_stops_both(tmp_path):
+    """Process 0's queue server dies mid-run: process 0 fails (its child died) and leaves
+    without the collective final save; process 1, waiting in a collective, is stopped by
+    the heartbeat instead of hanging."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = [start(run_dir, i, port, "--set", "train.steps=200") for i in range(2)]
+    try:
+        metrics = run_dir / "logs/metrics.jsonl"
+        deadline = time.time() + 400
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text()):
+            assert procs[0].poll() is None and procs[1].poll() is None, logs(run_dir)
+            time.sleep(0.5)
+        queue = children(procs[0].pid)[0]  # the first child process 0 started
+        assert "serve-queue" in Path(f"/proc/{queue}/cmdline").read_text()
+        os.kill(queue, signal.SIGKILL)
+        t0 = time.time()
+        rcs = [p.wait(timeout=90) for p in procs]
+        stopped_after = time.time() - t0
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(rc != 0 for rc in rcs), (rcs, logs(run_dir))
+    assert stopped_after < 30, (stopped_after, logs(run_dir))
+    assert "satjax train: failed" in (run_dir.parent / "process0.log").read_text()
