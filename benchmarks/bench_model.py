@@ -15,11 +15,12 @@ Model FLOPs per training step (counted analytically, matmuls only; x3 for fwd+bw
     step FLOPs = 3 * tokens * per-token FLOPs
 
 The causal mask halves the useful score/value work, but both implementations compute the
-full T x T product, so it is counted in full. Dispatch variants (``--impls``) and HF run
-interleaved, one step each per round, and the median over rounds is reported, because
-the machine is shared (each after an untimed call, see
-``interleaved_median_s``). HF runs in a child process (``HfProcess``) with
-``torch.set_num_threads`` = the CPUs XLA uses.
+full T x T product, so it is counted in full. Variants (``--variants``: a ``moe_impl``
+dispatch, optionally ``+bf16`` for bfloat16 compute over the same fp32 parameters and
+``+scan`` for ``scan_layers``, e.g. ``blocked+bf16+scan``) and HF run interleaved, one
+step each per round, and the median over rounds is reported, because the machine is
+shared (each after an untimed call, see ``interleaved_median_s``). HF runs in a child
+process (``HfProcess``) with ``torch.set_num_threads`` = the CPUs XLA uses.
 
 Decode: tokens/s of the satjax sampler's decode loop (the time of a ``--decode-tokens``
 generation minus a 1-token one, so prefill and compile are excluded) next to the bound
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import matmul_peak_gflops, memory_bandwidth_gbs, print_versions  # noqa: E402
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained  # noqa: E402
+from satjax.model.moe import MOE_IMPLS  # noqa: E402
 from satjax.model.sampling import generate  # noqa: E402
 
 
@@ -179,7 +181,21 @@ def interleaved_median_s(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_train(name: str, case: BenchCase, impls: list[str], repeats: int,
+VARIANT_OPTIONS = {"bf16": {"dtype": jnp.bfloat16}, "scan": {"scan_layers": True}}
+
+
+def build_variant(cfg: Qwen3MoeConfig, variant: str) -> Qwen3MoeForCausalLM:
+    """``impl[+option...]`` (module docstring) -> the model, parameters from seed 0."""
+    impl, *options = variant.split("+")
+    unknown = [o for o in options if o not in VARIANT_OPTIONS]
+    if impl not in MOE_IMPLS or unknown:
+        raise ValueError(f"variant {variant!r}: want one of {MOE_IMPLS} followed by any of "
+                         f"+{' +'.join(VARIANT_OPTIONS)}")
+    kwargs = {k: v for o in options for k, v in VARIANT_OPTIONS[o].items()}
+    return Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), moe_impl=impl, **kwargs)
+
+
+def bench_train(name: str, case: BenchCase, variants: list[str], repeats: int,
                 peak: float, threads: int) -> None:
     cfg = case.cfg
     ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (case.batch, case.seq + 1))
@@ -187,8 +203,7 @@ def bench_train(name: str, case: BenchCase, impls: list[str], repeats: int,
     print(f"[{name}] hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, experts "
           f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}; batch "
           f"{case.batch} x seq {case.seq}; {flops / 1e9:.1f} model GFLOP per step", flush=True)
-    fns = {f"satjax {impl}": satjax_step(
-        Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), moe_impl=impl), ids) for impl in impls}
+    fns = {f"satjax {v}": satjax_step(build_variant(cfg, v), ids) for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp)
         hf_proc = HfProcess(tmp, ids, threads)
@@ -227,8 +242,9 @@ def bench_decode(case: BenchCase, new_tokens: int, bandwidth: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="bench,large", help=f"of {sorted(CASES)}")
-    parser.add_argument("--impls", default="blocked,bucketed",
-                        help="satjax moe_impl values to time (interleaved with HF)")
+    parser.add_argument("--variants", default="blocked,bucketed,blocked+bf16,blocked+scan",
+                        help="satjax variants to time, interleaved with HF: a moe_impl, "
+                             "optionally +bf16 and/or +scan")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--hf-server", nargs=3, help=argparse.SUPPRESS)
@@ -241,6 +257,12 @@ def main() -> None:
     if unknown:
         print(f"--configs: must be among {sorted(CASES)}, got {unknown[0]!r}", file=sys.stderr)
         raise SystemExit(2)
+    variants = args.variants.split(",")
+    try:  # checked before minutes of measuring
+        [build_variant(Qwen3MoeConfig.tiny(), v) for v in variants]
+    except ValueError as e:
+        print(f"--variants: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     threads = len(os.sched_getaffinity(0))  # XLA:CPU sizes its intra-op pool to these
     print_versions()
     peak = matmul_peak_gflops()
@@ -248,7 +270,7 @@ def main() -> None:
     print(f"threads: XLA {threads} CPUs, torch.set_num_threads({threads}); jitted fp32 matmul "
           f"peak {peak:.0f} GFLOP/s; memory copy bandwidth {bandwidth:.1f} GB/s", flush=True)
     for name in configs:
-        bench_train(name, CASES[name], args.impls.split(","), args.repeats, peak, threads)
+        bench_train(name, CASES[name], variants, args.repeats, peak, threads)
     bench_decode(CASES["bench"], args.decode_tokens, bandwidth)
 
 
