@@ -35,7 +35,7 @@ from satjax.queue.client import QueueClient  # noqa: E402
 from satjax.queue.codec import encode  # noqa: E402
 from satjax.queue.store import FSYNC_POLICIES  # noqa: E402
 from satjax.trajectory import Trajectory  # noqa: E402
-from satjax.utils import free_port  # noqa: E402
+from satjax.utils import free_port, retain_freed_memory  # noqa: E402
 
 TOKEN = "bench-token-0123456789"  # the server wants >= 16 characters
 MB = 1 << 20
@@ -44,7 +44,9 @@ OPTIONS = [("grpc.max_receive_message_length", 256 * MB),
 
 
 def serve_echo(port: int) -> None:
-    """A trivial generic-handler echo server (bytes in, same bytes out)."""
+    """A trivial generic-handler echo server (bytes in, same bytes out), with the queue
+    server's allocator setting so that the two differ only in what the queue does."""
+    retain_freed_memory()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}),))

@@ -45,6 +45,7 @@ from satjax.queue.core import (
 )
 from satjax.queue.store import FSYNC_POLICIES, DataDirError, StorageError
 from satjax.queue.validation import Limits
+from satjax.utils import retain_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +377,7 @@ def _token(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``satjax serve-queue``: serves until SIGTERM/SIGINT, then shuts down gracefully."""
     args = build_parser().parse_args(argv)
+    retain_freed_memory()  # replies and requests of megabytes reuse memory, not fresh pages
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

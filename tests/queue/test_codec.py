@@ -95,3 +95,10 @@ def test_field_numbers_come_from_the_descriptor(make_traj):
     seen = {field for field, _, _ in codec.iter_fields(memoryview(encode(traj)))}
     assert seen <= set(by_name.values())
     assert by_name["policy_version"] in seen and by_name["routed_experts"] in seen
+
+
+def test_framing_encode_parts_parses_with_protobuf(make_traj, full_traj, to_proto):
+    # the client frames encode_parts (array views) without joining each item first
+    trajs = [full_traj(8), make_traj("b", "g", routes=False)]
+    raw = join_messages(PUT_BATCH_TRAJECTORIES, [codec.encode_parts(t) for t in trajs])
+    assert list(pb2.PutBatchRequest.FromString(raw).trajectories) == [to_proto(t) for t in trajs]

@@ -45,16 +45,17 @@ def test_second_server_on_a_data_dir_is_refused_naming_the_holder(
 def test_failed_write_is_rolled_back_and_puts_resume(tmp_path, token, make_traj, monkeypatch):
     server = QueueServer(tmp_path / "q", token)
     client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retries=0)
-    real_write = store.write_all
+    real_write = store.writev_all
     full = {"on": False}
 
-    def write_half_then_fail(fd, data):
+    def write_half_then_fail(fd, buffers):
         if full["on"]:
-            real_write(fd, bytes(data)[:len(data) // 2])  # a partial record reaches the file
+            data = b"".join(buffers)
+            real_write(fd, [data[:len(data) // 2]])  # a partial record reaches the file
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(fd, data)
+        real_write(fd, buffers)
 
-    monkeypatch.setattr(store, "write_all", write_half_then_fail)
+    monkeypatch.setattr(store, "writev_all", write_half_then_fail)
     try:
         assert client.put([make_traj("a", "a"), make_traj("b", "b")]).ok
         seg = sorted((tmp_path / "q").glob("seg-*.log"))[-1]
