@@ -96,6 +96,11 @@ class Location:
     length: int
 
 
+def _record_crc(seq: int, payload: bytes) -> int:
+    """The record checksum: CRC32 of the u64 little-endian seq, then the payload."""
+    return zlib.crc32(payload, zlib.crc32(SEQ.pack(seq)))
+
+
 class SegmentLog:
     """Append-only, CRC-checked, rolled segment files. Not thread-safe: callers lock."""
 
@@ -152,7 +157,7 @@ class SegmentLog:
         end = pos + HEADER.size + length
         if seq <= after or end > len(buf):
             return None
-        if zlib.crc32(buf[pos + HEADER.size:end], zlib.crc32(SEQ.pack(seq))) != crc:
+        if _record_crc(seq, buf[pos + HEADER.size:end]) != crc:
             return None
         return seq, length
 
@@ -230,7 +235,7 @@ class SegmentLog:
                 raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
                                  f"got {len(payload)!r}")
         # checksums before taking the I/O lock: the background fsync need not wait for them
-        crcs = [zlib.crc32(p, zlib.crc32(SEQ.pack(first_seq + i))) for i, p in enumerate(payloads)]
+        crcs = [_record_crc(first_seq + i, p) for i, p in enumerate(payloads)]
         locations = []
         with self._io_lock:
             active = self.active_segment
