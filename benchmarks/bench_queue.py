@@ -14,8 +14,8 @@ GetBatch latency. Timings are the best of --repeats interleaved repeats.
 --paper instead times one training step of a paper-sized load: --paper-prompts (256) x
 --group-size (16) trajectories of --response (1024) tokens with 48-layer top-8 routes
 (~2 GB): the workers' puts (one per group), the trainer's GetBatch calls (--paper-get
-trajectories each) and its one ack, in seconds per step (scaled to 256 prompts when run
-with fewer, and said so).
+trajectories each, 32 by default) and its one ack, in seconds per step (scaled to 256
+prompts when run with fewer, and said so).
 
   PYTHONPATH=. python benchmarks/bench_queue.py [--fsync always,never] [--repeats 5]
   PYTHONPATH=. python benchmarks/bench_queue.py --paper [--paper-prompts 256]
@@ -309,8 +309,10 @@ def main() -> None:
                     help="time one step of the paper-sized load instead (see above)")
     ap.add_argument("--paper-prompts", type=int, default=PAPER_PROMPTS,
                     help="prompts of the --paper step (fewer: the time is scaled, and said so)")
-    ap.add_argument("--paper-get", type=int, default=256,
-                    help="trajectories per GetBatch of the --paper step")
+    ap.add_argument("--paper-get", type=int, default=32,
+                    help="trajectories per GetBatch of the --paper step (default 32, 16 MB: a "
+                         "reply over glibc's 32 MB mmap threshold gets fresh pages and costs "
+                         "~8x more per byte, measured)")
     args = ap.parse_args()
     if args.serve_echo is not None:
         serve_echo(args.serve_echo)

@@ -70,11 +70,18 @@ def route_dtype_name(routes: np.ndarray, num_experts: int | None) -> str:
     """Narrowest dtype holding the expert ids: by E when known, else by the largest id.
 
     Negative or out-of-range ids fall back to int32 so that the data travels unchanged
-    and the server can reject it with a precise message.
+    and the server can reject it with a precise message. Integer ids take one pass: seen
+    as unsigned, a negative id is larger than any valid one.
     """
     if routes.size == 0:
         return "uint8"
-    lo, hi = int(routes.min()), int(routes.max())
+    if routes.dtype.kind in "iu":
+        unsigned = routes.view(f"u{routes.dtype.itemsize}")
+        hi_u = int(unsigned.max())
+        negative = routes.dtype.kind == "i" and hi_u >= 1 << (8 * routes.dtype.itemsize - 1)
+        lo, hi = (-1, hi_u) if negative else (0, hi_u)
+    else:
+        lo, hi = int(routes.min()), int(routes.max())
     bound = num_experts if num_experts else hi + 1
     if lo >= 0 and hi < bound:
         if bound <= 256:
