@@ -120,7 +120,7 @@ class SegmentLog:
         self._write_seg: int | None = None  # first_seq of the segment _write_fd appends to
         self._cut_pending = False         # a failed write left bytes past the last record
         self._dirty = False
-        self._io_lock = threading.Lock()  # serialises the background fsync with appends
+        self._io_lock = threading.Lock()  # guards the write descriptor and _dirty
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         if fsync == "batch":
@@ -304,13 +304,20 @@ class SegmentLog:
 
     def _sync_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
+            # fsync a duplicate of the descriptor outside the I/O lock: appends go on while
+            # the disk flushes (a roll may close the original meanwhile; it fsyncs it first)
             with self._io_lock:
-                if self._dirty and self._write_fd is not None:
-                    try:
-                        os.fsync(self._write_fd)
-                        self._dirty = False
-                    except OSError as e:  # stays dirty: retried next interval
-                        log.error("%s: background fsync failed: %s", self.dir, e)
+                if not self._dirty or self._write_fd is None:
+                    continue
+                fd, self._dirty = os.dup(self._write_fd), False
+            try:
+                os.fsync(fd)
+            except OSError as e:  # dirty again: retried next interval
+                with self._io_lock:
+                    self._dirty = True
+                log.error("%s: background fsync failed: %s", self.dir, e)
+            finally:
+                os.close(fd)
 
     # -- reads and garbage collection -----------------------------------------------------
     def read(self, loc: Location) -> bytes:

@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -211,3 +212,40 @@ def test_state_file_exists_from_the_first_open(tmp_path):
     assert os.stat(tmp_path / "q" / "state.json").st_mode & 0o077 == 0
     time.sleep(0)  # the lock is released: a second open works
     TrajectoryQueue(tmp_path / "q").close()
+
+
+def test_background_fsync_does_not_block_appends_and_retries_a_failure(tmp_path, monkeypatch):
+    log = store.SegmentLog(tmp_path / "q", fsync="batch", batch_interval_s=0.01)
+    list(log.replay())  # starts the background fsync
+    real_fsync, entered, release = os.fsync, threading.Event(), threading.Event()
+    background = []
+
+    def fsync(fd):
+        if threading.current_thread().name != "queue-fsync":
+            return real_fsync(fd)
+        background.append(fd)
+        if len(background) == 1:  # the first one hangs on the disk, then fails
+            entered.set()
+            release.wait(60)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        log.append(1, [b"a" * 100])
+        assert entered.wait(30)
+        writer = threading.Thread(target=log.append, args=(2, [b"b" * 100]))
+        writer.start()
+        writer.join(10)  # while the fsync hangs: an append under the I/O lock would wait
+        assert not writer.is_alive()
+        release.set()
+        deadline = time.monotonic() + 30
+        while len(background) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(background) >= 2  # the failed flush was retried
+    finally:
+        release.set()
+        log.close()
+    reopened = store.SegmentLog(tmp_path / "q", fsync="never")
+    assert [seq for seq, _, _ in reopened.replay()] == [1, 2]
+    reopened.close()
