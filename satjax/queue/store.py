@@ -31,9 +31,10 @@ import logging
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
+
+from zlib_ng.zlib_ng import crc32  # zlib's CRC-32 (same values), SIMD: ~4x faster here
 
 from satjax.utils import atomic_write, fsync_dir, writev_all
 
@@ -98,7 +99,7 @@ class Location:
 
 def _record_crc(seq: int, payload: bytes) -> int:
     """The record checksum: CRC32 of the u64 little-endian seq, then the payload."""
-    return zlib.crc32(payload, zlib.crc32(SEQ.pack(seq)))
+    return crc32(payload, crc32(SEQ.pack(seq)))
 
 
 class SegmentLog:
