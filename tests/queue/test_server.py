@@ -120,6 +120,8 @@ def _mutations():
         "too many tokens": (lambda m: (setattr(m, "prompt_tokens", np.zeros(40, i32).tobytes()),
                                        m.ClearField("routed_experts")), "response_tokens"),
         "expert id >= E": (set_routes(np.full((rows, 2, 2), 8)), "routed_experts"),
+        "negative expert id": (set_routes(np.full((rows, 2, 2), -1), "int32"),
+                               "routed_experts"),
         "routes rows != P+N-1": (set_routes(np.zeros((rows + 1, 2, 2))), "routed_experts"),
         "routes data size": (lambda m: setattr(m.routed_experts, "data", b"\x00" * 7),
                              "routed_experts"),
