@@ -472,16 +472,18 @@ class TrajectoryQueue:
             self._groups.discard_if_consumed(e.group_id, self._entries)
 
     def _gc(self) -> None:
-        """Deletes inactive segments whose records are all consumed."""
+        """Deletes inactive segments whose records are all consumed; their ids are retired
+        (durably, one fsync for all) before any of them goes."""
         active = self._log.active_segment
-        for first, seg in sorted(self._log.segments.items()):
-            if first == active or seg.last_seq > self._consumer.watermark:
-                continue
-            ids = self._seg_ids.pop(first, [])
-            self._retired.add(ids)
-            for tid in ids:
-                self._ids.pop(tid, None)
-            self._log.delete(first)
+        done = [first for first, seg in sorted(self._log.segments.items())
+                if first != active and seg.last_seq <= self._consumer.watermark]
+        ids = [tid for first in done for tid in self._seg_ids.get(first, [])]
+        self._retired.add(ids)  # a failure here leaves everything for the next try
+        for first in done:
+            self._seg_ids.pop(first, None)
+        for tid in ids:
+            self._ids.pop(tid, None)
+        self._log.delete(done)
 
     def _gc_or_storage_error(self) -> None:
         try:
