@@ -37,8 +37,9 @@ __all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "Queue
 
 T = TypeVar("T")
 # Items at least this large (on average) are streamed, one message each, as they are: a
-# PutBatch would copy them into one message on the client and slice them out again on the
-# server, which costs more than a stream's per-message overhead from about this size on.
+# PutBatch copies them into one message on the client and slices and copies them out again
+# on the server. Measured with 489 KiB items, the stream was as fast or faster; below a few
+# hundred KiB the stream's per-message overhead dominates instead.
 STREAM_ITEM_BYTES = 256 << 10
 
 
