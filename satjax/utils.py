@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
 import socket
 import sys
@@ -25,6 +26,22 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    """Writes ``buffers`` back to back with as few ``os.writev`` calls as the kernel allows
+    (at most ``IOV_MAX`` buffers a call; a call may write fewer bytes than asked)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    iov_max = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i:i + iov_max])
+        while n:  # skip what was written; the rest of a partly written buffer goes next
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i], n = views[i][n:], 0
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool = True,
@@ -68,3 +85,24 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+
+
+def retain_freed_memory(pad_bytes: int = 64 << 20, mmap_bytes: int = 32 << 20) -> bool:
+    """Lets glibc's malloc reuse freed memory for large buffers: allocations below
+    ``mmap_bytes`` come from the heap instead of a fresh ``mmap`` each (``M_MMAP_THRESHOLD``),
+    and up to ``pad_bytes`` of freed memory stays mapped at the top of each arena instead of
+    going back to the kernel at once (``M_TOP_PAD``).
+
+    For processes that allocate and free buffers of megabytes many times a second (queue
+    server, trainer, rollout workers): each fresh allocation would otherwise fault in and
+    zero new pages, which costs more than the copy into them (measured on the 2-core dev
+    VM: a 7.8 MB GetBatch reply 17 -> 8 ms on the server; decoding 16 trajectories with
+    int32 routes, 2 MB each, median 57 -> 7 ms on the client). Process-wide, so only the
+    ``satjax`` entry point calls it. Returns False (and does nothing) off glibc.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    m_top_pad, m_mmap_threshold = -2, -3  # <malloc.h>
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(m_mmap_threshold, int(mmap_bytes))
+                and libc.mallopt(m_top_pad, int(pad_bytes)))

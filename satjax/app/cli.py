@@ -11,6 +11,7 @@ import os
 import sys
 
 from satjax import __version__
+from satjax.utils import retain_freed_memory
 
 # command -> (module, function taking argv list and returning an exit code, help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -54,6 +55,9 @@ def _dispatch(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    # every command moves messages of megabytes (trajectories, weights): reuse freed memory
+    # instead of faulting in fresh pages for each (utils.retain_freed_memory)
+    retain_freed_memory()
     code = int(getattr(importlib.import_module(module), func)(rest) or 0)
     sys.stdout.flush()
     return code

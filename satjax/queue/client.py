@@ -24,7 +24,7 @@ from satjax.queue.codec import (
     MAX_MESSAGE_MB,
     PUT_BATCH_TRAJECTORIES,
     decode_batch_reply,
-    encode,
+    encode_parts,
     join_messages,
 )
 from satjax.queue.core import PutResult, Rejection
@@ -36,6 +36,11 @@ __all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "Queue
            "QueueUnavailableError", "QueueValidationError", "Rejection", "TrajectoryBatch"]
 
 T = TypeVar("T")
+# Items at least this large (on average) are streamed, one message each, as they are: a
+# PutBatch copies them into one message on the client and slices and copies them out again
+# on the server. Measured with 489 KiB items, the stream was as fast or faster; below a few
+# hundred KiB the stream's per-message overhead dominates instead.
+STREAM_ITEM_BYTES = 256 << 10
 
 
 class QueueError(RuntimeError):
@@ -175,24 +180,29 @@ class QueueClient:
             timeout: float | None = None) -> PutResult:
         """Sends ``trajectories`` (dataclasses, ``pb2.Trajectory`` or wire bytes) to the queue.
 
-        One PutBatch call when they fit in a message, else a client-streaming Put.
+        Large items (at least ``STREAM_ITEM_BYTES`` on average) go as a client-streaming Put,
+        each as its own message, sent as it is; small ones as one PutBatch message when they
+        fit in one, else as a stream too.
 
         Returns accepted ids and per-item rejections; ``strict=True`` raises
         :class:`QueueValidationError` instead when any item is rejected.
         """
-        raws = [t if isinstance(t, bytes) else t.SerializeToString()
-                if isinstance(t, pb2.Trajectory) else encode(t, num_experts=self.num_experts)
-                for t in trajectories]
+        # each item as parts (arrays as views): joining them is then the one copy
+        parts = [[t] if isinstance(t, bytes) else [t.SerializeToString()]
+                 if isinstance(t, pb2.Trajectory) else encode_parts(t, num_experts=self.num_experts)
+                 for t in trajectories]
+        total = sum(len(p) for item in parts for p in item)
         reply = None
-        if len(raws) > 1 and sum(len(r) + 10 for r in raws) + 1024 <= self.max_message_bytes:
-            # one PutBatch message: less per-message overhead than a stream
-            request = join_messages(PUT_BATCH_TRAJECTORIES, raws)
+        if (1 < len(parts) and total < STREAM_ITEM_BYTES * len(parts)
+                and total + 10 * len(parts) + 1024 <= self.max_message_bytes):
+            request = join_messages(PUT_BATCH_TRAJECTORIES, parts)
             try:
                 reply = self._call("put", lambda: self._put_batch_raw(
                     request, timeout=timeout, metadata=self._metadata))
             except QueueTooLargeError:
                 pass  # over the server's limit (refused whole, nothing stored): stream
         if reply is None:
+            raws = [item[0] if len(item) == 1 else b"".join(item) for item in parts]
             reply = self._call("put", lambda: self._put_raw(iter(raws), timeout=timeout,
                                                             metadata=self._metadata))
         rejected = [Rejection(r.index, r.trajectory_id, r.field, r.message)

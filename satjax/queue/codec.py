@@ -70,11 +70,18 @@ def route_dtype_name(routes: np.ndarray, num_experts: int | None) -> str:
     """Narrowest dtype holding the expert ids: by E when known, else by the largest id.
 
     Negative or out-of-range ids fall back to int32 so that the data travels unchanged
-    and the server can reject it with a precise message.
+    and the server can reject it with a precise message. Integer ids take one pass: seen
+    as unsigned, a negative id is larger than any valid one.
     """
     if routes.size == 0:
         return "uint8"
-    lo, hi = int(routes.min()), int(routes.max())
+    if routes.dtype.kind in "iu":
+        unsigned = routes.view(f"u{routes.dtype.itemsize}")
+        hi_u = int(unsigned.max())
+        negative = routes.dtype.kind == "i" and hi_u >= 1 << (8 * routes.dtype.itemsize - 1)
+        lo, hi = (-1, hi_u) if negative else (0, hi_u)
+    else:
+        lo, hi = int(routes.min()), int(routes.max())
     bound = num_experts if num_experts else hi + 1
     if lo >= 0 and hi < bound:
         if bound <= 256:
@@ -294,8 +301,16 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _len_field(field: int, payload: bytes) -> list[bytes]:
+Buffer = bytes | memoryview  # a part of an encoding: joined once, at the end
+
+
+def _len_field(field: int, payload: Buffer) -> list[Buffer]:
     return [_varint(field << 3 | LEN), _varint(len(payload)), payload]
+
+
+def _sub_message(field: int, parts: list[Buffer]) -> list[Buffer]:
+    """A nested message from its parts, framed without joining them first (no copy)."""
+    return [_varint(field << 3 | LEN), _varint(sum(len(p) for p in parts)), *parts]
 
 
 def _scalar(field: int, value: int) -> list[bytes]:
@@ -313,33 +328,37 @@ def _str(field: int, value: str) -> list[bytes]:
     return _len_field(field, value.encode()) if value else []
 
 
-def _packed_msg(numbers: Mapping[str, int], data: bytes, dtype: str, shape: tuple[int, ...],
-                num_experts: int = 0) -> bytes:
+def _array_bytes(array, dtype: np.dtype) -> memoryview:
+    """Byte view of ``array`` as contiguous little-endian ``dtype``: no copy when it
+    already is one, else the one conversion copy."""
+    return memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
+
+
+def _packed_parts(numbers: Mapping[str, int], data: memoryview, dtype: str,
+                  shape: tuple[int, ...], num_experts: int = 0) -> list[Buffer]:
     shape_bytes = b"".join(_varint(s) for s in shape)
     parts = (_len_field(numbers["data"], data) + _str(numbers["dtype"], dtype)
              + _len_field(numbers["shape"], shape_bytes))
     if "num_experts" in numbers:
         parts += _scalar(numbers["num_experts"], num_experts)
-    return b"".join(parts)
+    return parts
 
 
-def encode(traj: Trajectory, *, num_experts: int | None = None) -> bytes:
-    """Wire bytes of ``traj`` with one copy of each array.
-
-    ``num_experts`` (E) picks the route dtype and is sent along; it defaults to the last
-    axis of ``router_logits`` when those are present.
-    """
+def encode_parts(traj: Trajectory, *, num_experts: int | None = None) -> list[Buffer]:
+    """The wire bytes of ``traj`` as parts whose concatenation is :func:`encode`'s result;
+    arrays are views (no copy when already in the wire dtype), for callers that frame
+    several trajectories into one message with a single copy."""
     if num_experts is None and traj.router_logits is not None:
         num_experts = int(np.shape(traj.router_logits)[-1])
     f = _TRAJ
-    parts: list[bytes] = []
+    parts: list[Buffer] = []
     parts += _scalar(f["schema_version"], SCHEMA_VERSION)
     parts += _str(f["trajectory_id"], traj.trajectory_id) + _str(f["group_id"], traj.group_id)
     parts += _str(f["prompt_id"], traj.prompt_id) + _scalar(f["group_size"], int(traj.group_size))
     for name, dtype in (("prompt_tokens", TOKEN_DTYPE), ("response_tokens", TOKEN_DTYPE),
                         ("behavior_logprobs", LOGPROB_DTYPE)):
-        data = np.ascontiguousarray(getattr(traj, name), dtype=dtype).tobytes()
-        parts += _len_field(f[name], data) if data else []
+        data = _array_bytes(getattr(traj, name), dtype)
+        parts += _len_field(f[name], data) if len(data) else []
     parts += _scalar(f["policy_version"], int(traj.policy_version))
     parts += _dbl(f["reward"], float(traj.reward))
     for key, value in traj.reward_details.items():
@@ -351,30 +370,51 @@ def encode(traj: Trajectory, *, num_experts: int | None = None) -> bytes:
         if routes.ndim != 3:
             raise ValueError(f"routed_experts: must have shape [rows, L, k], got {routes.shape}")
         name = route_dtype_name(routes, num_experts)
-        data = np.ascontiguousarray(routes, ROUTE_DTYPES[name]).tobytes()
-        parts += _len_field(f["routed_experts"], _packed_msg(
-            _ROUTES, data, name, routes.shape, int(num_experts or 0)))
+        parts += _sub_message(f["routed_experts"], _packed_parts(
+            _ROUTES, _array_bytes(routes, ROUTE_DTYPES[name]), name, routes.shape,
+            int(num_experts or 0)))
     if traj.router_logits is not None:
         logits = np.asarray(traj.router_logits)
         if logits.ndim != 3:
             raise ValueError(f"router_logits: must have shape [rows, L, E], got {logits.shape}")
-        data = np.ascontiguousarray(logits, LOGIT_DTYPES["float16"]).tobytes()
-        parts += _len_field(f["router_logits"], _packed_msg(_LOGITS, data, "float16",
-                                                            logits.shape))
+        parts += _sub_message(f["router_logits"], _packed_parts(
+            _LOGITS, _array_bytes(logits, LOGIT_DTYPES["float16"]), "float16", logits.shape))
     parts += _str(f["engine"], traj.engine)
     timing = b"".join(_dbl(_TIMING["created_unix"], float(traj.created_unix))
                       + _dbl(_TIMING["generation_seconds"], float(traj.generation_seconds)))
     parts += _len_field(f["timing"], timing)
-    return b"".join(parts)
+    return parts
+
+
+def encode(traj: Trajectory, *, num_experts: int | None = None) -> bytes:
+    """Wire bytes of ``traj`` with one copy of each array (none beyond the final join
+    when an array is already in its wire dtype).
+
+    ``num_experts`` (E) picks the route dtype and is sent along; it defaults to the last
+    axis of ``router_logits`` when those are present.
+    """
+    return b"".join(encode_parts(traj, num_experts=num_experts))
 
 
 # ===================================================================================
 # Request / reply framing (messages around stored Trajectory bytes)
 # ===================================================================================
-def join_messages(field: int, payloads: Iterable[bytes]) -> bytes:
-    """``payloads`` as a repeated message ``field``: spliced, never re-encoded."""
+def frame_messages(field: int, payloads: Iterable[Buffer | list[Buffer]]) -> list[Buffer]:
+    """Parts of ``payloads`` as a repeated message ``field`` (each payload bytes, or the
+    parts of one as from :func:`encode_parts`): spliced, never re-encoded, not yet joined."""
     tag = _varint(field << 3 | LEN)
-    return b"".join(b"".join((tag, _varint(len(p)), p)) for p in payloads)
+    out: list[Buffer] = []
+    for p in payloads:
+        if isinstance(p, list):
+            out += [tag, _varint(sum(len(x) for x in p)), *p]
+        else:
+            out += [tag, _varint(len(p)), p]
+    return out
+
+
+def join_messages(field: int, payloads: Iterable[Buffer | list[Buffer]]) -> bytes:
+    """``payloads`` as a repeated message ``field`` in one copy (see :func:`frame_messages`)."""
+    return b"".join(frame_messages(field, payloads))
 
 
 def split_messages(buf: bytes | memoryview, field: int) -> list[memoryview]:
@@ -382,13 +422,13 @@ def split_messages(buf: bytes | memoryview, field: int) -> list[memoryview]:
     return [v for f, w, v in iter_fields(memoryview(buf)) if f == field and w == LEN]
 
 
-def encode_batch_reply(payloads: Iterable[bytes], cursor: int, lag_histogram: Mapping[int, int],
+def encode_batch_reply(payloads: Iterable[Buffer], cursor: int, lag_histogram: Mapping[int, int],
                        dropped_stale: int) -> bytes:
     """GetBatchReply wire bytes around stored Trajectory ``payloads``."""
     meta = pb2.GetBatchReply(cursor=cursor, dropped_stale=dropped_stale)
     for lag, count in lag_histogram.items():
         meta.lag_histogram[lag] = count
-    return join_messages(REPLY_TRAJECTORIES, payloads) + meta.SerializeToString()
+    return b"".join([*frame_messages(REPLY_TRAJECTORIES, payloads), meta.SerializeToString()])
 
 
 def decode_batch_reply(buf: bytes | memoryview, *, compact_routes: bool = False

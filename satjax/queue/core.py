@@ -43,9 +43,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Container
 from pathlib import Path
+from typing import NamedTuple
 
 from satjax import config as run_config
-from satjax.queue.codec import TrajectoryView
+from satjax.queue.codec import TrajectoryView, WireError
 from satjax.queue.store import (
     RECOVERY,
     STATE_FILE,
@@ -121,6 +122,17 @@ class PutResult:
     @property
     def ok(self) -> bool:
         return not self.rejected
+
+
+class Parsed(NamedTuple):
+    """One item of a put, parsed and checked on its own (:meth:`TrajectoryQueue.parse`)."""
+
+    raw: bytes
+    msg: TrajectoryView | None  # None: not a Trajectory message
+    problem: Problem | None     # the first stateless problem (validation.validate) or None
+
+
+UNDECODABLE = Problem("trajectory", "trajectory: not a valid Trajectory message")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,16 +472,18 @@ class TrajectoryQueue:
             self._groups.discard_if_consumed(e.group_id, self._entries)
 
     def _gc(self) -> None:
-        """Deletes inactive segments whose records are all consumed."""
+        """Deletes inactive segments whose records are all consumed; their ids are retired
+        (durably, one fsync for all) before any of them goes."""
         active = self._log.active_segment
-        for first, seg in sorted(self._log.segments.items()):
-            if first == active or seg.last_seq > self._consumer.watermark:
-                continue
-            ids = self._seg_ids.pop(first, [])
-            self._retired.add(ids)
-            for tid in ids:
-                self._ids.pop(tid, None)
-            self._log.delete(first)
+        done = [first for first, seg in sorted(self._log.segments.items())
+                if first != active and seg.last_seq <= self._consumer.watermark]
+        ids = [tid for first in done for tid in self._seg_ids.get(first, [])]
+        self._retired.add(ids)  # a failure here leaves everything for the next try
+        for first in done:
+            self._seg_ids.pop(first, None)
+        for tid in ids:
+            self._ids.pop(tid, None)
+        self._log.delete(done)
 
     def _gc_or_storage_error(self) -> None:
         try:
@@ -517,12 +531,20 @@ class TrajectoryQueue:
         return [e for e in self._entries.values() if e.state is State.PENDING]
 
     # -- producer side ------------------------------------------------------------------------
-    def put(self, items: list[tuple[bytes, TrajectoryView]]) -> PutResult:
-        """Validates and durably stores ``items`` (raw bytes, parsed message) in one write.
+    def parse(self, raw: bytes) -> Parsed:
+        """Parses and checks one put item on its own: no lock, no state, so the server does
+        it as each item arrives (while the next is still on the wire)."""
+        try:
+            msg = TrajectoryView(raw)
+        except WireError:
+            return Parsed(raw, None, UNDECODABLE)
+        return Parsed(raw, msg, validate(msg, self.settings.limits))
+
+    def put(self, items: list[Parsed]) -> PutResult:
+        """Stores the valid ``items`` (from :meth:`parse`) durably, in one write.
 
         Rejection indices are positions in ``items``.
         """
-        problems = [validate(msg, self.settings.limits) for _, msg in items]
         result = PutResult([], [], [])
         with self._lock:
             self._check_open()
@@ -531,7 +553,11 @@ class TrajectoryQueue:
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
             seen: set[str] = set()
             to_store: list[tuple[bytes, TrajectoryView]] = []
-            for i, ((raw, msg), bad) in enumerate(zip(items, problems, strict=True)):
+            for i, (raw, msg, bad) in enumerate(items):
+                if msg is None:
+                    result.rejected.append(Rejection(i, "", UNDECODABLE.field,
+                                                     UNDECODABLE.message))
+                    continue
                 tid = msg.trajectory_id
                 if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
                     result.duplicates.append(tid)

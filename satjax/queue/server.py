@@ -30,14 +30,15 @@ from satjax.queue._proto import SERVICE, pb2
 from satjax.queue.codec import (
     MAX_MESSAGE_MB,
     PUT_BATCH_TRAJECTORIES,
-    TrajectoryView,
     WireError,
     encode_batch_reply,
     split_messages,
 )
 from satjax.queue.core import (
+    UNDECODABLE,
     BatchResult,
     ConsumerLeaseError,
+    Parsed,
     QueueClosedError,
     QueueRequestError,
     QueueSettings,
@@ -91,21 +92,6 @@ def _serialize_batch(result: BatchResult) -> bytes:
                               result.dropped_stale)
 
 
-def _parse_item(raw: bytes) -> tuple[bytes, TrajectoryView | None]:
-    try:
-        return raw, TrajectoryView(raw)
-    except WireError:
-        return raw, None
-
-
-def _parse_put_batch(raw: bytes) -> list[tuple[bytes, TrajectoryView | None]]:
-    """PutBatchRequest's trajectories, sliced out without re-encoding."""
-    try:
-        return [_parse_item(bytes(v)) for v in split_messages(raw, PUT_BATCH_TRAJECTORIES)]
-    except WireError:
-        return [(raw, None)]
-
-
 def _guard(fn: Callable) -> Callable:
     """Maps queue errors to status codes: a closing queue to UNAVAILABLE (clients retry,
     e.g. against a restart), a failed write to RESOURCE_EXHAUSTED naming the data dir, a
@@ -132,10 +118,19 @@ class QueueService:
     def __init__(self, queue: TrajectoryQueue):
         self.queue = queue
 
-    def _put_items(self, items: Iterable[tuple[bytes, TrajectoryView | None]]) -> pb2.PutReply:
+    def _parse_put_batch(self, raw: bytes) -> list[Parsed]:
+        """PutBatchRequest's trajectories, sliced out without re-encoding, each parsed."""
+        try:
+            views = split_messages(raw, PUT_BATCH_TRAJECTORIES)
+        except WireError:
+            return [Parsed(raw, None, UNDECODABLE)]
+        # copies: a cached payload must not keep the whole request alive
+        return [self.queue.parse(bytes(v)) for v in views]
+
+    def _put_items(self, items: Iterable[Parsed]) -> pb2.PutReply:
         reply = pb2.PutReply()
-        chunk: list[tuple[bytes, TrajectoryView]] = []
-        index, chunk_start, chunk_bytes = 0, 0, 0
+        chunk: list[Parsed] = []
+        chunk_start, chunk_bytes = 0, 0
 
         def flush():
             result = self.queue.put(chunk)
@@ -145,29 +140,21 @@ class QueueService:
                 reply.rejections.add(index=chunk_start + r.index, trajectory_id=r.trajectory_id,
                                      field=r.field, message=r.message)
 
-        for raw, msg in items:
-            if msg is None:
-                reply.rejections.add(index=index, field="trajectory",
-                                     message="trajectory: not a valid Trajectory message")
-            else:
-                if not chunk:
-                    chunk_start = index
-                chunk.append((raw, msg))
-                chunk_bytes += len(raw)
-            index += 1
-            if msg is None or len(chunk) >= PUT_CHUNK_ITEMS or chunk_bytes >= PUT_CHUNK_BYTES:
-                if chunk:
-                    flush()
+        for item in items:  # a stream's items are parsed as they arrive (the deserializer)
+            chunk.append(item)
+            chunk_bytes += len(item.raw)
+            if len(chunk) >= PUT_CHUNK_ITEMS or chunk_bytes >= PUT_CHUNK_BYTES:
+                flush()
+                chunk_start += len(chunk)
                 chunk, chunk_bytes = [], 0
         if chunk:
             flush()
         return reply
 
-    def put(self, request_iterator, context) -> pb2.PutReply:
+    def put(self, request_iterator: Iterable[Parsed], context) -> pb2.PutReply:
         return self._put_items(request_iterator)
 
-    def put_batch(self, items: list[tuple[bytes, TrajectoryView | None]], context
-                  ) -> pb2.PutReply:
+    def put_batch(self, items: list[Parsed], context) -> pb2.PutReply:
         return self._put_items(items)
 
     def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:
@@ -201,10 +188,10 @@ class QueueService:
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Put": grpc.stream_unary_rpc_method_handler(
-                _guard(self.put), request_deserializer=_parse_item,
+                _guard(self.put), request_deserializer=self.queue.parse,
                 response_serializer=pb2.PutReply.SerializeToString),
             "PutBatch": grpc.unary_unary_rpc_method_handler(
-                _guard(self.put_batch), request_deserializer=_parse_put_batch,
+                _guard(self.put_batch), request_deserializer=self._parse_put_batch,
                 response_serializer=pb2.PutReply.SerializeToString),
             "GetBatch": unary(self.get_batch, pb2.GetBatchRequest, _serialize_batch),
             "Ack": unary(self.ack, pb2.AckRequest),

@@ -29,13 +29,15 @@ import fcntl
 import json
 import logging
 import os
+import queue
 import struct
 import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from satjax.utils import atomic_write, fsync_dir, write_all
+from zlib_ng.zlib_ng import crc32  # zlib's CRC-32 (same values), SIMD: ~4x faster here
+
+from satjax.utils import atomic_write, fsync_dir, writev_all
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,11 @@ class Location:
     length: int
 
 
+def _record_crc(seq: int, payload: bytes) -> int:
+    """The record checksum: CRC32 of the u64 little-endian seq, then the payload."""
+    return crc32(payload, crc32(SEQ.pack(seq)))
+
+
 class SegmentLog:
     """Append-only, CRC-checked, rolled segment files. Not thread-safe: callers lock."""
 
@@ -115,9 +122,11 @@ class SegmentLog:
         self._write_seg: int | None = None  # first_seq of the segment _write_fd appends to
         self._cut_pending = False         # a failed write left bytes past the last record
         self._dirty = False
-        self._io_lock = threading.Lock()  # serialises the background fsync with appends
+        self._io_lock = threading.Lock()  # guards the write descriptor and _dirty
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
+        self._doomed: queue.SimpleQueue[list[Path] | None] = queue.SimpleQueue()
+        self._deleter: threading.Thread | None = None  # unlinks deleted segments' files
         if fsync == "batch":
             self._syncer = threading.Thread(target=self._sync_loop, args=(batch_interval_s,),
                                             name="queue-fsync", daemon=True)
@@ -152,7 +161,7 @@ class SegmentLog:
         end = pos + HEADER.size + length
         if seq <= after or end > len(buf):
             return None
-        if zlib.crc32(buf[pos + HEADER.size:end], zlib.crc32(SEQ.pack(seq))) != crc:
+        if _record_crc(seq, buf[pos + HEADER.size:end]) != crc:
             return None
         return seq, length
 
@@ -221,12 +230,16 @@ class SegmentLog:
     def append(self, first_seq: int, payloads: list[bytes]) -> list[Location]:
         """Writes records ``first_seq, first_seq+1, ...``; durable per the fsync policy.
 
-        All or nothing: on a failed write (:class:`StorageError`) nothing of it is kept.
+        One ``writev`` per segment touched (headers and payloads as they are, no joined
+        copy) and, with ``fsync="always"``, one fsync. All or nothing: on a failed write
+        (:class:`StorageError`) nothing of it is kept.
         """
         for payload in payloads:
             if len(payload) >= MAX_RECORD_BYTES:
                 raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
                                  f"got {len(payload)!r}")
+        # checksums before taking the I/O lock: the background fsync need not wait for them
+        crcs = [_record_crc(first_seq + i, p) for i, p in enumerate(payloads)]
         locations = []
         with self._io_lock:
             active = self.active_segment
@@ -234,21 +247,25 @@ class SegmentLog:
                 active is not None) else None
             try:
                 self._finish_cut()
+                buffers: list[bytes] = []  # records for the segment _write_fd appends to
                 for i, payload in enumerate(payloads):
                     seq = first_seq + i
                     seg = self.segments[max(self.segments)] if self.segments else None
                     if seg is None or (seg.size > 0 and seg.size >= self.segment_bytes):
+                        if buffers:
+                            writev_all(self._write_fd, buffers)
+                            buffers = []
                         seg = self._roll(seq)
                     if seq <= seg.last_seq:
                         raise RuntimeError(f"seq {seq} does not follow {seg.last_seq}")
-                    crc = zlib.crc32(payload, zlib.crc32(SEQ.pack(seq)))
-                    assert self._write_fd is not None
-                    write_all(self._write_fd, HEADER.pack(len(payload), crc, seq))
-                    write_all(self._write_fd, payload)
+                    buffers += [HEADER.pack(len(payload), crcs[i], seq), payload]
                     locations.append(Location(seg.first_seq, seg.size + HEADER.size,
                                               len(payload)))
                     seg.size += HEADER.size + len(payload)
                     seg.last_seq = seq
+                if buffers:
+                    assert self._write_fd is not None
+                    writev_all(self._write_fd, buffers)
                 if self.fsync == "always" and self._write_fd is not None:
                     os.fsync(self._write_fd)
             except OSError as e:
@@ -291,13 +308,20 @@ class SegmentLog:
 
     def _sync_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
+            # fsync a duplicate of the descriptor outside the I/O lock: appends go on while
+            # the disk flushes (a roll may close the original meanwhile; it fsyncs it first)
             with self._io_lock:
-                if self._dirty and self._write_fd is not None:
-                    try:
-                        os.fsync(self._write_fd)
-                        self._dirty = False
-                    except OSError as e:  # stays dirty: retried next interval
-                        log.error("%s: background fsync failed: %s", self.dir, e)
+                if not self._dirty or self._write_fd is None:
+                    continue
+                fd, self._dirty = os.dup(self._write_fd), False
+            try:
+                os.fsync(fd)
+            except OSError as e:  # dirty again: retried next interval
+                with self._io_lock:
+                    self._dirty = True
+                log.error("%s: background fsync failed: %s", self.dir, e)
+            finally:
+                os.close(fd)
 
     # -- reads and garbage collection -----------------------------------------------------
     def read(self, loc: Location) -> bytes:
@@ -312,15 +336,37 @@ class SegmentLog:
         """Largest seq in the log (0 when it holds no record)."""
         return max((s.last_seq for s in self.segments.values() if s.size), default=0)
 
-    def delete(self, first_seq: int) -> None:
-        """Removes a (fully consumed, inactive) segment."""
-        if first_seq == self.active_segment:
+    def delete(self, first_seqs: list[int]) -> None:
+        """Drops (fully consumed, inactive) segments from the log now; their files are
+        unlinked by a background thread (``close`` waits for it).
+
+        An unlink of 64 MB takes ~30 ms on ext4 with online discard, so a GC of a step's
+        segments would hold the lock (and the Ack) for a second. A crash before the unlink
+        leaves consumed records only, which the next open deletes again.
+        """
+        if self.active_segment in first_seqs:
             raise ValueError("cannot delete the active segment")
-        seg = self.segments.pop(first_seq)
-        os.close(seg.read_fd)
-        seg.path.unlink()
-        if self.fsync != "never":
-            fsync_dir(self.dir)
+        paths = []
+        for first in first_seqs:
+            seg = self.segments.pop(first)
+            os.close(seg.read_fd)
+            paths.append(seg.path)
+        if paths:
+            if self._deleter is None:
+                self._deleter = threading.Thread(target=self._delete_loop, name="queue-gc",
+                                                 daemon=True)
+                self._deleter.start()
+            self._doomed.put(paths)
+
+    def _delete_loop(self) -> None:
+        while (paths := self._doomed.get()) is not None:
+            try:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+                if self.fsync != "never":
+                    fsync_dir(self.dir)
+            except OSError as e:  # the records are consumed: the next open deletes them
+                log.error("%s: could not delete consumed segments: %s", self.dir, e)
 
     def bytes_on_disk(self) -> int:
         return sum(s.size for s in self.segments.values())
@@ -329,6 +375,10 @@ class SegmentLog:
         self._stop.set()
         if self._syncer is not None and self._syncer.is_alive():
             self._syncer.join()
+        if self._deleter is not None:
+            self._doomed.put(None)
+            self._deleter.join()
+            self._deleter = None
         with self._io_lock:
             if self._write_fd is not None:
                 if self.fsync != "never":

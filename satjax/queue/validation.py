@@ -207,7 +207,7 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
         return Problem("routed_experts", f"routed_experts.shape: k must be <= num_experts "
                                          f"{num_experts}, got {r.shape[2]!r}")
     ids = np.frombuffer(r.data, ROUTE_DTYPES[r.dtype])
-    if ids.min() < 0:
+    if ids.dtype.kind == "i" and ids.min() < 0:  # uint8/uint16 ids cannot be negative
         return Problem("routed_experts", f"routed_experts: expert ids must be >= 0, "
                                          f"got {int(ids.min())!r}")
     if num_experts is not None and ids.max() >= num_experts:

@@ -95,3 +95,31 @@ def test_field_numbers_come_from_the_descriptor(make_traj):
     seen = {field for field, _, _ in codec.iter_fields(memoryview(encode(traj)))}
     assert seen <= set(by_name.values())
     assert by_name["policy_version"] in seen and by_name["routed_experts"] in seen
+
+
+def test_framing_encode_parts_parses_with_protobuf(make_traj, full_traj, to_proto):
+    # the client frames encode_parts (array views) without joining each item first
+    trajs = [full_traj(8), make_traj("b", "g", routes=False)]
+    raw = join_messages(PUT_BATCH_TRAJECTORIES, [codec.encode_parts(t) for t in trajs])
+    assert list(pb2.PutBatchRequest.FromString(raw).trajectories) == [to_proto(t) for t in trajs]
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint8, np.uint32,
+                                   np.float32])
+def test_route_dtype_name_matches_the_min_max_definition(dtype):
+    # one pass over the ids (as unsigned) must pick what min/max of the ids would
+    def by_min_max(routes, num_experts):
+        lo, hi = int(routes.min()), int(routes.max())
+        bound = num_experts or hi + 1
+        if lo >= 0 and hi < bound and bound <= 65536:
+            return "uint8" if bound <= 256 else "uint16"
+        return "int32"
+
+    rng = np.random.default_rng(0)
+    for lo, hi in ((0, 5), (0, 255), (0, 256), (-3, 100), (0, 30000), (-2**14, 5)):
+        if np.issubdtype(dtype, np.unsignedinteger) and lo < 0:
+            continue
+        routes = rng.integers(lo, hi + 1, (6, 4, 2)).astype(dtype)
+        for view in (routes, routes[:, ::2]):  # contiguous and strided
+            for num_experts in (None, 128, 256, 300, 70000):
+                assert codec.route_dtype_name(view, num_experts) == by_min_max(view, num_experts)

@@ -120,6 +120,8 @@ def _mutations():
         "too many tokens": (lambda m: (setattr(m, "prompt_tokens", np.zeros(40, i32).tobytes()),
                                        m.ClearField("routed_experts")), "response_tokens"),
         "expert id >= E": (set_routes(np.full((rows, 2, 2), 8)), "routed_experts"),
+        "negative expert id": (set_routes(np.full((rows, 2, 2), -1), "int32"),
+                               "routed_experts"),
         "routes rows != P+N-1": (set_routes(np.zeros((rows + 1, 2, 2))), "routed_experts"),
         "routes data size": (lambda m: setattr(m.routed_experts, "data", b"\x00" * 7),
                              "routed_experts"),
@@ -399,10 +401,11 @@ def test_segments_roll_and_are_garbage_collected(harness, make_traj):
     assert len(_segments(h.data_dir)) >= 4
     batch = client.get_batch(12, 0)
     client.ack(batch.cursor)
-    assert len(_segments(h.data_dir)) == 1  # only the active segment is left
     stats = client.stats()
     assert stats["segments"] == 1 and stats["watermark"] == 12
-    client = h.restart()
+    h.server.stop(None)  # the files go in the background; closing the log waits for it
+    assert len(_segments(h.data_dir)) == 1  # only the active segment is left
+    client = h.start()
     r = client.put([make_traj("t3", "g3"), make_traj("new", "n")])  # t3 was GC'd: still a dup
     assert r.duplicates == ["t3"]
     batch = client.get_batch(1, 0)

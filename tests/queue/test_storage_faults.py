@@ -4,7 +4,9 @@ import errno
 import json
 import os
 import subprocess
+import threading
 import time
+import zlib
 
 import pytest
 from queue_testlib import one_line, stop
@@ -45,16 +47,17 @@ def test_second_server_on_a_data_dir_is_refused_naming_the_holder(
 def test_failed_write_is_rolled_back_and_puts_resume(tmp_path, token, make_traj, monkeypatch):
     server = QueueServer(tmp_path / "q", token)
     client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retries=0)
-    real_write = store.write_all
+    real_write = store.writev_all
     full = {"on": False}
 
-    def write_half_then_fail(fd, data):
+    def write_half_then_fail(fd, buffers):
         if full["on"]:
-            real_write(fd, bytes(data)[:len(data) // 2])  # a partial record reaches the file
+            data = b"".join(buffers)
+            real_write(fd, [data[:len(data) // 2]])  # a partial record reaches the file
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(fd, data)
+        real_write(fd, buffers)
 
-    monkeypatch.setattr(store, "write_all", write_half_then_fail)
+    monkeypatch.setattr(store, "writev_all", write_half_then_fail)
     try:
         assert client.put([make_traj("a", "a"), make_traj("b", "b")]).ok
         seg = sorted((tmp_path / "q").glob("seg-*.log"))[-1]
@@ -210,3 +213,53 @@ def test_state_file_exists_from_the_first_open(tmp_path):
     assert os.stat(tmp_path / "q" / "state.json").st_mode & 0o077 == 0
     time.sleep(0)  # the lock is released: a second open works
     TrajectoryQueue(tmp_path / "q").close()
+
+
+def test_background_fsync_does_not_block_appends_and_retries_a_failure(tmp_path, monkeypatch):
+    log = store.SegmentLog(tmp_path / "q", fsync="batch", batch_interval_s=0.01)
+    list(log.replay())  # starts the background fsync
+    real_fsync, entered, release = os.fsync, threading.Event(), threading.Event()
+    background = []
+
+    def fsync(fd):
+        if threading.current_thread().name != "queue-fsync":
+            return real_fsync(fd)
+        background.append(fd)
+        if len(background) == 1:  # the first one hangs on the disk, then fails
+            entered.set()
+            release.wait(60)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        log.append(1, [b"a" * 100])
+        assert entered.wait(30)
+        writer = threading.Thread(target=log.append, args=(2, [b"b" * 100]))
+        writer.start()
+        writer.join(10)  # while the fsync hangs: an append under the I/O lock would wait
+        assert not writer.is_alive()
+        release.set()
+        deadline = time.monotonic() + 30
+        while len(background) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(background) >= 2  # the failed flush was retried
+    finally:
+        release.set()
+        log.close()
+    reopened = store.SegmentLog(tmp_path / "q", fsync="never")
+    assert [seq for seq, _, _ in reopened.replay()] == [1, 2]
+    reopened.close()
+
+
+def test_record_checksum_is_zlib_crc32_of_seq_then_payload(tmp_path):
+    # the on-disk format: logs written with zlib's crc32 stay readable, and vice versa
+    log = store.SegmentLog(tmp_path / "q", fsync="never")
+    list(log.replay())
+    payload = os.urandom(3000)
+    (loc,) = log.append(7, [payload])
+    log.close()
+    raw = (tmp_path / "q" / "seg-00000000000000000007.log").read_bytes()
+    length, crc, seq = store.HEADER.unpack_from(raw, 0)
+    assert (length, seq, raw[loc.offset:]) == (3000, 7, payload)
+    assert crc == zlib.crc32(payload, zlib.crc32(store.SEQ.pack(7)))
