@@ -36,6 +36,17 @@ def masked_mean(x: Array, valid: Array) -> Array:
     return jnp.sum(x * v) / jnp.maximum(jnp.sum(v), 1.0)
 
 
+def count_true(valid: Array) -> Array:
+    """Number of true entries of a bool array, as int32.
+
+    Summed in float32 when that is exact (under 2^24 entries): XLA:CPU vectorises float
+    reductions but not int32 ones (262k entries: ~0.04 ms against ~0.13 ms).
+    """
+    if valid.size < (1 << 24):
+        return jnp.sum(valid, dtype=jnp.float32).astype(jnp.int32)
+    return jnp.sum(valid, dtype=jnp.int32)
+
+
 def _order_key(x: Array) -> Array:
     """Integer key with the same order as the float ``x`` (an involution on the bits)."""
     itype = jnp.int64 if x.dtype == jnp.float64 else jnp.int32
@@ -102,10 +113,11 @@ def _kth_smallest_radix(keys: Array, k: Array) -> tuple[Array, Array]:
     b, before_b = _rank_in_histogram(hist_hi, k)
     bins = jnp.arange(nbins)
     b_next = jnp.min(jnp.where((bins > b) & (hist_hi > 0), bins, nbins))  # nbins: none
-    # Row 0: the low digits of bucket b's entries; row 1: those of bucket b_next's.
-    in_b, in_next = high == b, high == b_next
-    hist_lo = jnp.zeros(2 * nbins, jnp.int32).at[low + nbins * in_next].add(
-        (in_b | in_next).astype(jnp.int32), mode="promise_in_bounds").reshape(2, nbins)
+    # Row 0: the low digits of bucket b's entries; row 1: those of bucket b_next's; every
+    # other entry goes to one spare bin (an index, not a 0/1 weight: one array less).
+    slot = jnp.where(high == b, low, jnp.where(high == b_next, low + nbins, 2 * nbins))
+    hist_lo = jnp.zeros(2 * nbins + 1, jnp.int32).at[slot].add(
+        1, mode="promise_in_bounds")[:2 * nbins].reshape(2, nbins)
     lb, before_l = _rank_in_histogram(hist_lo[0], k - before_b)
     n_le = before_b + before_l + hist_lo[0, lb]  # entries <= the k-th smallest
     # The (k+1)-th: the same key if it repeats, else the next low digit in b, else the
@@ -162,7 +174,7 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
         flat = flat.astype(jnp.float32)
     dt = flat.dtype
     valid = jnp.ones(flat.shape, bool) if mask is None else jnp.ravel(mask).astype(bool)
-    n = jnp.sum(valid.astype(jnp.int32))
+    n = count_true(valid)
     last = jnp.maximum(n - 1, 0)
     pos = jnp.asarray(q, dt) * last.astype(dt)
     i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
