@@ -5,7 +5,8 @@ Prints the versions line, then the median time of each variant (interleaved, rot
 repeats) by wall clock and by process CPU time (steadier on a shared host: XLA runs
 single-threaded here, so CPU time is the work of this process alone), its ratio to its
 base loss (GSPO, or PPO-clip for sat_ppo), the target and "met" or "MISSED" (judged on
-the wall-clock ratio). Targets: SAT-GSPO with the sequence proxy <= 1.05x GSPO;
+the CPU-time ratio: on a loaded host the wall clock also counts time the process waited
+for a core). Targets: SAT-GSPO with the sequence proxy <= 1.05x GSPO;
 token-level SAT (sat_ppo, and sat_gspo with the token proxy) <= 1.3x its base.
 
 Then the floor of token-level SAT: the same clocks for the exact token quantile alone
@@ -128,7 +129,7 @@ def main() -> None:
         if name in TARGETS:
             ref = "ppo_clip" if name.startswith("sat_ppo") else "gspo"
             ratio, ratio_cpu = med[name] / med[ref], med_cpu[name] / med_cpu[ref]
-            ok = "met" if ratio <= TARGETS[name] else "MISSED"
+            ok = "met" if ratio_cpu <= TARGETS[name] else "MISSED"
             line += (f"   ratio to {ref}: {ratio:5.2f} wall, {ratio_cpu:5.2f} CPU; "
                      f"target <= {TARGETS[name]:.2f}: {ok}")
         if name == "quantile[select]":
@@ -136,11 +137,11 @@ def main() -> None:
         print(line)
     # The least any exact token-level SAT adds: one scatter pass for the selection and one
     # pass to apply the kernel to every token.
-    least = med["one scatter-add pass"] + med["one reduction pass"]
+    least = med_cpu["one scatter-add pass"] + med_cpu["one reduction pass"]
     for base in ("ppo_clip", "gspo"):
-        print(f"  floor vs {base}: (1 scatter + 1 pass) {least * 1e3:.3f} ms -> at least "
-              f"{1 + least / med[base]:.2f}x; with today's quantile[select] "
-              f"{1 + med['quantile[select]'] / med[base]:.2f}x before the kernel and metrics")
+        print(f"  floor vs {base} (CPU): 1 scatter + 1 pass = {least * 1e3:.3f} ms -> at least "
+              f"{1 + least / med_cpu[base]:.2f}x; with quantile[select] "
+              f"{1 + med_cpu['quantile[select]'] / med_cpu[base]:.2f}x before kernel + metrics")
 
 
 if __name__ == "__main__":
