@@ -1,10 +1,12 @@
 """Full train-step benchmark on the tiny Qwen3-MoE config (CPU by default).
 
-Prints, measured side by side in one run:
+Prints, measured side by side in one run (versions line first):
   - compile time of the step (trace + lower + XLA compile) per objective;
   - tokens/s of the full step (loss tokens and all tokens) per objective;
-  - SAT overhead inside the full step: median(SAT-GSPO step) / median(GSPO step)
-    from interleaved repeats (target: < 1.02).
+  - SAT overhead inside the full step, from interleaved repeats of the real
+    ``make_train_step``: sat_gspo (sequence proxy, the default) / gspo (target < 1.02),
+    sat_gspo with the token proxy / gspo and sat_ppo / ppo_clip (token-level SAT, target
+    <= 1.3), as median of medians and median of paired ratios, with "met" / "MISSED".
 
   PYTHONPATH=. python benchmarks/bench_train_step.py [--batch 16 --length 256 --repeats 15]
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.machine import print_versions
 from satjax import parallel
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from satjax.train.batch import Batch
@@ -49,6 +52,19 @@ def synthetic_batch(cfg: Qwen3MoeConfig, B: int, T: int, group_size: int, seed: 
     )
 
 
+# name -> (objective, objective_hp): the bases, and SAT with each proxy.
+VARIANTS = {
+    "gspo": ("gspo", None),
+    "sat_gspo": ("sat_gspo", None),
+    "sat_gspo[token]": ("sat_gspo", {"proxy": "token"}),
+    "ppo_clip": ("ppo_clip", None),
+    "sat_ppo": ("sat_ppo", None),
+}
+# SAT variant -> (its base, target ratio of step times).
+PAIRS = {"sat_gspo": ("gspo", 1.02), "sat_gspo[token]": ("gspo", 1.3),
+         "sat_ppo": ("ppo_clip", 1.3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -59,24 +75,25 @@ def main() -> None:
     ap.add_argument("--no-replay", action="store_true")
     args = ap.parse_args()
 
+    print_versions()
     cfg = Qwen3MoeConfig.tiny()
     mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
     batch = synthetic_batch(cfg, args.batch, args.length, args.group_size, seed=0)
-    names = ("gspo", "sat_gspo")
     steps, states = {}, {}
     print(
         f"backend={jax.default_backend()} tiny Qwen3-MoE (L={cfg.num_hidden_layers}, "
         f"E={cfg.num_experts}, k={cfg.num_experts_per_tok}), B={args.batch}, T={args.length}, "
         f"replay={not args.no_replay}, grad_accum={args.grad_accum}"
     )
-    for name in names:
+    for name, (objective, hp) in VARIANTS.items():
         model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
         graphdef, state = nnx.split(TrainState(model, make_optimizer(1e-4, max_grad_norm=1.0)))
         step = make_train_step(
             graphdef,
             state,
             mesh=mesh,
-            objective=name,
+            objective=objective,
+            objective_hp=hp,
             replay=not args.no_replay,
             grad_accum=args.grad_accum,
         )
@@ -89,12 +106,13 @@ def main() -> None:
         t2 = time.perf_counter()
         state, m = compiled(state, placed)  # warm-up call
         jax.block_until_ready(m)
-        print(f"{name:9s} compile: trace+lower {t1 - t0:6.2f}s  XLA compile {t2 - t1:6.2f}s")
+        print(f"{name:15s} compile: trace+lower {t1 - t0:6.2f}s  XLA compile {t2 - t1:6.2f}s")
         steps[name], states[name] = (compiled, placed), state
 
+    names = list(VARIANTS)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(args.repeats):  # interleaved so machine-load drift hits both equally
-        for name in names:
+    for rep in range(args.repeats):  # interleaved, rotated: machine-load drift hits all alike
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             compiled, placed = steps[name]
             t = time.perf_counter()
             states[name], m = compiled(states[name], placed)
@@ -106,15 +124,15 @@ def main() -> None:
     for name in names:
         med = statistics.median(times[name])
         print(
-            f"{name:9s} step median {med * 1e3:8.2f} ms  "
+            f"{name:15s} step median {med * 1e3:8.2f} ms  "
             f"{all_tokens / med:10.0f} tokens/s  ({loss_tokens / med:10.0f} loss tokens/s)"
         )
-    ratio = statistics.median(times["sat_gspo"]) / statistics.median(times["gspo"])
-    paired = statistics.median(s / g for s, g in zip(times["sat_gspo"], times["gspo"], strict=True))
-    print(
-        f"SAT overhead in the full step: sat_gspo/gspo = {ratio:.4f} (median of medians), "
-        f"{paired:.4f} (median of paired ratios); target < 1.02"
-    )
+    print("SAT overhead in the full step (median of medians, median of paired ratios):")
+    for sat, (base, target) in PAIRS.items():
+        ratio = statistics.median(times[sat]) / statistics.median(times[base])
+        paired = statistics.median(s / b for s, b in zip(times[sat], times[base], strict=True))
+        ok = "met" if ratio <= target else "MISSED"
+        print(f"  {sat}/{base} = {ratio:.4f}, {paired:.4f}; target <= {target}: {ok}")
 
 
 if __name__ == "__main__":

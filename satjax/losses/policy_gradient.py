@@ -46,7 +46,7 @@ from satjax.losses.hparams import (
     check_hparams,
 )
 from satjax.losses.quantile import masked_mean
-from satjax.losses.sat import sign_selected_bounds, tail_factor
+from satjax.losses.sat import sign_selected_bounds, tail_factor, tail_kernel
 
 Array = jax.Array
 
@@ -185,8 +185,8 @@ def _kl_k3(p: Mapping[str, Array]) -> Array:
 
 
 def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
-         lo: Array, hi: Array, eps_low: Any, eps_high: Any,
-         factor: Array | None) -> dict[str, Array]:
+         lo: Array, hi: Array, eps_low: Any, eps_high: Any, factor: Array | None,
+         min_factor: Array | None = None) -> dict[str, Array]:
     """Scalar metrics over valid units (rows for sequence losses, tokens otherwise).
 
     Clip fractions count where the clip *binds* for the advantage's sign (verl's
@@ -229,7 +229,8 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
         aux.update(
             sat_tail_frac=masked_mean((factor < 1.0).astype(dt), units_valid),
             sat_newly_clipped_frac=clip_mean(newly),
-            sat_min_factor=_masked_min(factor, units_valid, 1.0),
+            sat_min_factor=(_masked_min(factor, units_valid, 1.0) if min_factor is None
+                            else min_factor),
             sat_mean_lo_radius=masked_mean(jnp.broadcast_to(1.0 - lo, ratio.shape),
                                            units_valid),
             sat_mean_hi_radius=masked_mean(jnp.broadcast_to(hi - 1.0, ratio.shape),
@@ -365,14 +366,17 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
         f = tail_factor(d_seq, p["row_valid"], **kw)
         lo, hi = sign_selected_bounds(d_seq, f, f, eps_low, eps_high)
     else:
-        ft = tail_factor(p["d_tok"], p["valid"], **kw)
-        one = jnp.ones((), ft.dtype)
+        phi = tail_kernel(p["d_tok"], p["valid"], **kw)
         # Sign selection per token: tokens with d > 0 can only shrink the row's high
-        # radius, tokens with d < 0 only its low radius (each by the row's minimum).
-        f_hi = jnp.min(jnp.where(p["valid"] & (p["d_tok"] > 0), ft, one), axis=1)
-        f_lo = jnp.min(jnp.where(p["valid"] & (p["d_tok"] < 0), ft, one), axis=1)
-        lo = 1.0 - jnp.asarray(eps_low, ft.dtype) * f_lo
-        hi = 1.0 + jnp.asarray(eps_high, ft.dtype) * f_hi
+        # radius, tokens with d < 0 only its low radius, each by the row's minimum factor.
+        # phi is non-increasing with phi(0) = 1, so that minimum is phi of the row's
+        # largest |d| on that side (d is 0 at invalid tokens): two row reductions of d and
+        # the kernel on [B], instead of the kernel on every token.
+        zero = jnp.zeros((), p["d_tok"].dtype)
+        f_hi = phi(jnp.maximum(jnp.max(p["d_tok"], axis=1), zero))
+        f_lo = phi(jnp.maximum(-jnp.min(p["d_tok"], axis=1), zero))
+        lo = 1.0 - jnp.asarray(eps_low, f_lo.dtype) * f_lo
+        hi = 1.0 + jnp.asarray(eps_high, f_hi.dtype) * f_hi
         f = jnp.minimum(f_lo, f_hi)
     loss, s = _sequence_objective(p, lo, hi)
     aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"], proxy=d_seq,
@@ -563,11 +567,17 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
       (-0.3854, 0.3333)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    f = tail_factor(p["d_tok"], p["valid"], c=c, w=w, lam=lam, kernel=kernel,
-                    quantile=quantile, c_min=c_min, scale=scale)
+    phi = tail_kernel(p["d_tok"], p["valid"], c=c, w=w, lam=lam, kernel=kernel,
+                      quantile=quantile, c_min=c_min, scale=scale)
+    a = jnp.abs(p["d_tok"])
+    f = phi(a)  # d is 0 at invalid tokens, and phi(0) = 1
     lo, hi = sign_selected_bounds(p["d_tok"], f, f, eps_low, eps_high)
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
     loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
+    # phi is non-increasing: the smallest factor is phi(max |d|), and max |d| is the
+    # proxy_abs_max metric (the same expression, so XLA computes it once).
+    min_factor = phi(_masked_max(a, p["valid"], 0.0))
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f,
+               min_factor=min_factor)
     return loss, aux

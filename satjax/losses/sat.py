@@ -9,6 +9,7 @@ described in docs/objectives.md). The SAT losses themselves live in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,23 +25,32 @@ _TINY = 1e-12  # keeps the gauss batch scale positive when every proxy is zero
 _MAD_TO_STD = 1.4826  # median |x| of a zero-mean normal times this is its std
 
 
-def hill_factor(a: Array, valid: Array, *, lam: Any, quantile: Any, c_min: Any) -> Array:
-    """Hill kernel: ``1 - lam (1 - max(c_min, 2 / (1 + u^2)))`` for ``u = a / q > 1``, else 1.
+def hill_kernel(a: Array, valid: Array, *, lam: Any, quantile: Any,
+                c_min: Any) -> Callable[[Array], Array]:
+    """Hill kernel with its gate bound to the batch: ``phi(x) = 1 - lam (1 - cf)``.
 
-    ``a`` is ``|d|`` (0 at invalid entries) and ``q`` the ``quantile`` of ``a`` over the
-    valid entries (factor 1 everywhere when ``q == 0``).
+    ``q`` = the ``quantile`` of ``a = |d|`` (0 at invalid entries) over the valid entries,
+    computed once here; ``phi`` then maps any ``x >= 0`` elementwise to
+    ``cf = max(c_min, 2 / (1 + (x / q)^2))`` for ``x > q`` and 1 otherwise (1 everywhere
+    when ``q == 0``).
     """
     dt = a.dtype
     qv = masked_quantile(a, quantile, valid)
     safe_q = jnp.where(qv > 0, qv, jnp.ones((), dt))
-    u = a / safe_q
-    cf = jnp.maximum(jnp.asarray(c_min, dt), 2.0 / (1.0 + u * u))
-    cf = jnp.where((qv > 0) & (u > 1.0), cf, jnp.ones((), dt))
-    return 1.0 - jnp.asarray(lam, dt) * (1.0 - cf)
+
+    def phi(x: Array) -> Array:
+        u = x / safe_q
+        cf = jnp.maximum(jnp.asarray(c_min, dt), 2.0 / (1.0 + u * u))
+        cf = jnp.where((qv > 0) & (u > 1.0), cf, jnp.ones((), dt))
+        return 1.0 - jnp.asarray(lam, dt) * (1.0 - cf)
+
+    return phi
 
 
-def gauss_factor(a: Array, valid: Array, *, c: Any, w: Any, lam: Any, scale: str) -> Array:
-    """Gauss kernel: ``1 - lam (1 - exp(-max(0, a / sigma - c)^2 / (2 w^2)))``.
+def gauss_kernel(a: Array, valid: Array, *, c: Any, w: Any, lam: Any,
+                 scale: str) -> Callable[[Array], Array]:
+    """Gauss kernel with its scale bound to the batch: ``phi(x) = 1 - lam k(x)``,
+    ``k(x) = 1 - exp(-max(0, x / sigma - c)^2 / (2 w^2))``.
 
     ``sigma`` is the batch scale of ``a = |d|`` over the valid entries: ``sqrt(mean a^2)``
     (``scale="rms"``) or ``1.4826 * median a`` (``scale="mad"``), plus 1e-12.
@@ -51,9 +61,30 @@ def gauss_factor(a: Array, valid: Array, *, c: Any, w: Any, lam: Any, scale: str
     else:
         sigma = _MAD_TO_STD * masked_quantile(a, 0.5, valid)
     sigma = sigma + _TINY
-    excess = jnp.maximum(a / sigma - jnp.asarray(c, dt), 0.0)
-    k = 1.0 - jnp.exp(-(excess * excess) / (2.0 * jnp.asarray(w, dt) ** 2))
-    return 1.0 - jnp.asarray(lam, dt) * k
+
+    def phi(x: Array) -> Array:
+        excess = jnp.maximum(x / sigma - jnp.asarray(c, dt), 0.0)
+        k = 1.0 - jnp.exp(-(excess * excess) / (2.0 * jnp.asarray(w, dt) ** 2))
+        return 1.0 - jnp.asarray(lam, dt) * k
+
+    return phi
+
+
+def tail_kernel(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str,
+                quantile: Any, c_min: Any, scale: str) -> Callable[[Array], Array]:
+    """The contraction kernel with its batch statistic taken from the (detached) ``d``.
+
+    Returns ``phi``: ``phi(|d_i|)`` is entry i's factor in [0, 1] (1 = keep the PPO/GSPO
+    radius), elementwise on any shape. The batch statistic (hill: the gate quantile; gauss:
+    the scale) is computed once, here, over the valid entries of ``|d|``. ``phi`` is
+    non-increasing with ``phi(0) = 1``, so the smallest factor over any set of entries is
+    ``phi(max |d|)`` over that set: a reduction of ``|d|``, not a pass over the factors.
+    """
+    d = jax.lax.stop_gradient(d)
+    a = jnp.where(valid, jnp.abs(d), jnp.zeros((), d.dtype))
+    if kernel == "gauss":
+        return gauss_kernel(a, valid, c=c, w=w, lam=lam, scale=scale)
+    return hill_kernel(a, valid, lam=lam, quantile=quantile, c_min=c_min)  # the paper's
 
 
 def tail_factor(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str,
@@ -63,13 +94,9 @@ def tail_factor(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str
     Factor 1 means "keep the PPO/GSPO radius"; invalid entries always get 1.
     """
     d = jax.lax.stop_gradient(d)
-    dt = d.dtype
-    a = jnp.where(valid, jnp.abs(d), jnp.zeros((), dt))
-    if kernel == "gauss":
-        factor = gauss_factor(a, valid, c=c, w=w, lam=lam, scale=scale)
-    else:  # hill (the paper's default)
-        factor = hill_factor(a, valid, lam=lam, quantile=quantile, c_min=c_min)
-    return jnp.where(valid, factor, jnp.ones((), dt))
+    phi = tail_kernel(d, valid, c=c, w=w, lam=lam, kernel=kernel, quantile=quantile,
+                      c_min=c_min, scale=scale)
+    return jnp.where(valid, phi(jnp.abs(d)), jnp.ones((), d.dtype))
 
 
 def sign_selected_bounds(d: Array, f_lo: Array, f_hi: Array, eps_low: Any,

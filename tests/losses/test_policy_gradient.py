@@ -346,6 +346,49 @@ def test_sat_newly_clipped_counts_where_only_the_sat_bound_binds(make_batch, seq
                                np.sum(lengths * newly) / lengths.sum(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("kernel", ["hill", "gauss"])
+def test_token_proxy_rows_take_each_sides_smallest_token_factor(make_batch, seq_eps,
+                                                                tok_eps, kernel):
+    """Reference: per-token factors from sat_interval (the kernel on every token), each
+    row's minimum per side and GSPO with those row bounds, in float64 numpy."""
+    lp, mu, a, mask = make_batch(7, scale=0.3)
+    m = np.asarray(mask, bool)
+    d = np.where(m, np.asarray(lp, np.float64) - np.asarray(mu, np.float64), 0.0)
+    d32 = jnp.asarray(d, jnp.float32)
+
+    def token_factors(eps):  # the factor each token applies on the side its d points to
+        lo_t, hi_t = (np.asarray(x, np.float64) for x in L.sat_interval(
+            d32, mask=mask, kernel=kernel, **eps))
+        f_hi = np.where(m & (d > 0), (hi_t - 1) / eps["eps_high"], 1.0)
+        f_lo = np.where(m & (d < 0), (1 - lo_t) / eps["eps_low"], 1.0)
+        return f_lo, f_hi
+
+    f_lo_t, f_hi_t = token_factors(seq_eps)
+    f_lo, f_hi = f_lo_t.min(1), f_hi_t.min(1)
+    assert np.any(np.minimum(f_lo, f_hi) < 0.99)  # the tail is populated
+    lo, hi = 1 - seq_eps["eps_low"] * f_lo, 1 + seq_eps["eps_high"] * f_hi
+    n = m.sum(1)
+    rows = n > 0
+    s = np.exp(d.sum(1) / np.maximum(n, 1))
+    an = np.asarray(a, np.float64)
+    j = np.where(an >= 0, np.minimum(s, hi), np.maximum(s, lo)) * an
+    loss, aux = L.sat_gspo_loss(lp, mu, a, mask, kernel=kernel, proxy="token", **seq_eps)
+    np.testing.assert_allclose(float(loss), -np.sum(j * rows) / rows.sum(), rtol=1e-5,
+                               atol=1e-7)
+    # Factors read back from float32 bounds carry ~ulp(1) / eps (2e-6 at eps_low = 0.03).
+    np.testing.assert_allclose(float(aux["sat_min_factor"]),
+                               np.minimum(f_lo, f_hi)[rows].min(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(aux["sat_mean_hi_radius"]), np.mean((hi - 1)[rows]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(aux["sat_mean_lo_radius"]), np.mean((1 - lo)[rows]),
+                               rtol=1e-5)
+    # sat_ppo: the smallest factor over the valid tokens.
+    f_lo_t, f_hi_t = token_factors(tok_eps)
+    _, aux = L.sat_ppo_loss(lp, mu, a, mask, kernel=kernel, **tok_eps)
+    np.testing.assert_allclose(float(aux["sat_min_factor"]),
+                               np.minimum(f_lo_t, f_hi_t)[m].min(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["ppo_clip", "grpo", "sat_ppo"])
 def test_dual_clip_caps_negative_advantage_tokens(make_batch, tok_eps, name):
     """verl clip_ratio_c: for A < 0 the token loss is min(PPO loss, c |A|); numpy reference

@@ -13,7 +13,7 @@ FAST = settings(max_examples=5, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 _QUANTILE = {m: jax.jit(lambda x, q, mask, m=m: L.masked_quantile(x, q, mask, method=m))
-             for m in ("sort", "bisect", "radix")}
+             for m in ("sort", "bisect", "radix", "select")}
 
 
 @FAST
@@ -31,6 +31,7 @@ def test_masked_quantile_matches_numpy(seed, n_valid, q, ties):
            for method, fn in _QUANTILE.items()}
     assert got["sort"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
     assert got["bisect"] == got["sort"] and got["radix"] == got["sort"]  # bit for bit
+    assert got["select"] == got["sort"]
 
 
 def test_masked_quantile_empty_mask_is_zero():
@@ -62,7 +63,34 @@ def test_radix_is_bit_for_bit_the_sort_on_a_large_heavy_tailed_batch(q):
     got = {method: np.asarray(fn(jnp.asarray(x), q, jnp.asarray(m)))
            for method, fn in _QUANTILE.items()}
     assert got["radix"].tobytes() == got["sort"].tobytes() == got["bisect"].tobytes()
+    assert got["select"].tobytes() == got["sort"].tobytes()
     # float32 position q (n - 1) ~ 1.8e5 has ulp 1/64: the interpolation weight, not the
     # order statistics, limits agreement with float64 numpy to ~1e-4 relative.
     np.testing.assert_allclose(got["radix"], np.quantile(x[m].astype(np.float64), q),
                                rtol=1e-4, atol=1e-12)
+
+
+_BATCHES = {  # 2^17 entries each: the sample is every 8th
+    # smooth: the sample's bracket holds both order statistics in single-entry bins
+    "smooth": lambda r, n: r.standard_t(3, n) * 0.05,
+    # a few distinct values: crowded bins, so the radix fallback answers
+    "ties": lambda r, n: np.round(r.normal(size=n), 1),
+    "constant": lambda r, n: np.zeros(n),
+    # periodic with the sample's stride: the sample sees only one value and misses rank k
+    "strided": lambda r, n: np.where(np.arange(n) % 8 == 0, 1.0, r.normal(size=n)),
+    # keys spread over many octaves, and infinities
+    "wide": lambda r, n: np.where(r.random(n) < 0.1, np.inf, np.exp(r.normal(size=n) * 20)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_BATCHES))
+def test_select_is_the_sort_at_every_rank_on_each_path(kind):
+    """`select` answers from its one-pass histogram or falls back to radix; both exact."""
+    rng = np.random.default_rng(3)
+    n = 1 << 17
+    x = _BATCHES[kind](rng, n).astype(np.float32)
+    m = rng.random(n) < 0.8
+    for q in (0.0, 1e-4, 0.1, 0.5, 0.9, 0.9999, 1.0):
+        got = np.asarray(_QUANTILE["select"](jnp.asarray(x), q, jnp.asarray(m)))
+        ref = np.asarray(_QUANTILE["sort"](jnp.asarray(x), q, jnp.asarray(m)))
+        assert got.tobytes() == ref.tobytes(), (kind, q)
