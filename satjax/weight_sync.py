@@ -7,13 +7,17 @@ fixed token sequence at that version. A worker that loads a version recomputes t
 canary and refuses weights whose log-probs disagree, because a silently failed sync
 looks exactly like staleness.
 
-Publishing is atomic: files go to a temporary directory that is renamed into place, and
-the ``LATEST`` pointer is replaced with ``os.replace``. In an exact-lag experiment the
-trainer also writes ``TARGET``: the version workers must serve (``latest - lag``).
+Publishing is atomic: files go to a staging directory (``.vNNNNNNNN-<tag>.staging``,
+a dot-name readers ignore) that is renamed into place, and the ``LATEST`` pointer is
+replaced with ``os.replace``. In an exact-lag experiment the trainer also writes
+``TARGET``: the version workers must serve (``latest - lag``). Several processes may write
+into one staging directory (``satjax.train.publish``); only the one that calls
+:meth:`WeightPublisher.publish` renames it.
 
 Layout (version directory names come from :func:`satjax.run_dir.version_dir`)::
 
-    sync_dir/v00000012/{config.json, model.safetensors, manifest.json}
+    sync_dir/v00000012/{config.json, model.safetensors.index.json,
+                        model-00001-of-00002.safetensors, ..., manifest.json}
     sync_dir/LATEST     "12"
     sync_dir/TARGET     "10"   (optional)
 """
@@ -23,8 +27,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,7 @@ from satjax.run_dir import parse_version_dir, version_dir
 from satjax.utils import atomic_write, fsync_dir
 
 MANIFEST = "manifest.json"
+STAGING_SUFFIX = ".staging"
 
 
 class WeightSyncError(RuntimeError):
@@ -49,6 +54,10 @@ class WeightPublisher:
         self.sync_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
 
+    def staging_dir(self, version: int, tag: str) -> Path:
+        """Where ``version`` is assembled before :meth:`publish` renames it into place."""
+        return self.sync_dir / f".{version_dir(self.sync_dir, version).name}-{tag}{STAGING_SUFFIX}"
+
     def publish(
         self,
         version: int,
@@ -56,14 +65,19 @@ class WeightPublisher:
         *,
         canary: dict[str, Any] | None = None,
         target_version: int | None = None,
+        staging: Path | None = None,
     ) -> Path:
         """Publishes ``version``. ``write_checkpoint(dir)`` writes the weights into ``dir``
         (normally ``lambda d: save_pretrained(model, d)``). ``canary`` holds
-        ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer at this version."""
+        ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer at this version.
+        ``staging`` is a :meth:`staging_dir` other processes already wrote into (default:
+        a fresh one). On any error the staging directory is removed and nothing is
+        visible."""
         final = version_dir(self.sync_dir, version)
         if final.exists():
             raise WeightSyncError(f"version {version} was already published at {final}")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=self.sync_dir))
+        tmp = staging or self.staging_dir(version, uuid.uuid4().hex)
+        tmp.mkdir(exist_ok=True)
         try:
             write_checkpoint(tmp)
             manifest = {"version": int(version), "published_unix": time.time(),
@@ -80,18 +94,23 @@ class WeightPublisher:
         atomic_write(self.sync_dir / "LATEST", str(version))
         if target_version is not None:
             atomic_write(self.sync_dir / "TARGET", str(target_version))
-        self._collect(protect=target_version)
+        self._collect(protect=target_version, published=version)
         return final
 
-    def _collect(self, protect: int | None) -> None:
+    def _collect(self, protect: int | None, published: int) -> None:
         versions = sorted(published_versions(self.sync_dir))
         for v in versions[: -self.keep]:
             if v != protect:
                 shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
+        # staging left by a crashed or failed publish; one of a newer version may be in use
+        for p in self.sync_dir.glob(f".*{STAGING_SUFFIX}"):
+            v = parse_version_dir(p.name[1:].split("-", 1)[0])
+            if v is not None and v <= published:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def published_versions(sync_dir: str | os.PathLike[str]) -> list[int]:
-    """Complete versions present in ``sync_dir`` (in-progress temp dirs excluded)."""
+    """Complete versions present in ``sync_dir`` (staging directories excluded)."""
     root = Path(sync_dir)
     if not root.is_dir():
         return []

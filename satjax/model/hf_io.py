@@ -8,23 +8,26 @@ HF linear weights are [out, in]; satjax stores ``x @ W`` kernels, hence the tran
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.flax import save_file
 
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.transformer import Qwen3MoeForCausalLM
+from satjax.utils import atomic_write, write_all
 
 Path = tuple  # a path into the NNX graph, e.g. ("layers", 0, "self_attn", "q_proj")
 _SHARD_BYTES = 4 * 1024**3
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def _linear_entries(cfg: Qwen3MoeConfig) -> Iterator[tuple[str, Path, Callable, Callable]]:
@@ -159,24 +162,124 @@ def from_pretrained(path: str, dtype: jnp.dtype = jnp.float32, *,
     return model
 
 
-def hf_state_dict(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
-    """HF per-expert tensor dict (host numpy; bf16 stays bf16 via ml_dtypes)."""
-    cfg = model.config
-    params = _params_by_path(model)
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the HF checkpoint as a piece of a satjax parameter.
 
-    def host(p: Path) -> np.ndarray:
-        return np.asarray(jax.device_get(params[p][...]))
+    ``expert`` is None when the tensor is the whole parameter at ``path``, else the index
+    into the parameter's leading experts dimension. ``to_hf`` maps that piece (satjax
+    layout) to the HF layout; it does not change the number of elements.
+    """
 
-    out: dict[str, np.ndarray] = {}
-    for hf_name, spath, _, to_hf in _linear_entries(cfg):
-        out[hf_name] = np.ascontiguousarray(to_hf(host(spath)))
+    name: str
+    path: Path
+    expert: int | None
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _transpose(w):  # an expert's [D, F] <-> HF [F, D]
+    return w.T
+
+
+def hf_tensors(cfg: Qwen3MoeConfig) -> list[HFTensor]:
+    """Every tensor of the per-expert HF layout of ``cfg``, in checkpoint order."""
+    out = [HFTensor(name, spath, None, to_hf) for name, spath, _, to_hf in _linear_entries(cfg)]
     for i in cfg.moe_layer_indices:
         for name in ("gate_proj", "up_proj", "down_proj"):
-            stacked = host(("layers", i, "mlp", "experts", name))
-            for j in range(cfg.num_experts):
-                out[f"model.layers.{i}.mlp.experts.{j}.{name}.weight"] = (
-                    np.ascontiguousarray(stacked[j].T))
+            out.extend(HFTensor(f"model.layers.{i}.mlp.experts.{j}.{name}.weight",
+                                ("layers", i, "mlp", "experts", name), j, _transpose)
+                       for j in range(cfg.num_experts))
     return out
+
+
+def hf_layout(tensors: Sequence[HFTensor], params: dict[Path, jax.Array]
+              ) -> dict[Path, jax.Array]:
+    """Every parameter of ``tensors`` in HF layout (jittable): a whole-parameter tensor
+    through its ``to_hf``; a stacked-experts parameter [E, ...] through each expert's
+    ``to_hf`` (vmapped), so that ``out[path][j]`` is expert j's HF tensor."""
+    fns = {t.path: (t.to_hf, t.expert is not None) for t in tensors}
+    return {p: (jax.vmap(f) if stacked else f)(params[p]) for p, (f, stacked) in fns.items()}
+
+
+def model_params(model: nnx.Module) -> dict[Path, jax.Array]:
+    """The parameter arrays of ``model`` by NNX path (the ``HFTensor.path`` keys)."""
+    return {path: param[...] for path, param in _params_by_path(model).items()}
+
+
+def hf_state_dict(model: Qwen3MoeForCausalLM) -> dict[str, np.ndarray]:
+    """HF per-expert tensor dict (host numpy; bf16 stays bf16 via ml_dtypes)."""
+    params = model_params(model)
+    host: dict[Path, np.ndarray] = {}
+    out: dict[str, np.ndarray] = {}
+    for t in hf_tensors(model.config):
+        if t.path not in host:
+            host[t.path] = np.asarray(jax.device_get(params[t.path]))
+        value = host[t.path] if t.expert is None else host[t.path][t.expert]
+        out[t.name] = np.ascontiguousarray(t.to_hf(value))
+    return out
+
+
+def hf_config(cfg: Qwen3MoeConfig, dtype: np.dtype) -> dict:
+    """The ``config.json`` of a checkpoint whose tensors are stored as ``dtype``."""
+    hf_cfg = cfg.to_hf_dict()
+    hf_cfg["torch_dtype"] = "bfloat16" if np.dtype(dtype).name == "bfloat16" else "float32"
+    return hf_cfg
+
+
+# numpy dtype name -> safetensors dtype tag (https://github.com/huggingface/safetensors)
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+              "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+              "bool": "BOOL"}
+
+
+def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[int, ...],
+                                                         Callable[[], np.ndarray]]],
+                      *, metadata: dict[str, str] | None = None) -> int:
+    """Streams ``tensors`` (name, dtype, shape, producer) into one safetensors file, fsynced.
+
+    The header is written from the declared dtypes and shapes first, then each producer is
+    called in turn and its bytes written, so a file never needs all its tensors in memory
+    at once (the format: 8-byte little-endian header size, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, then the raw data).
+    Returns the bytes of tensor data written.
+    """
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, _ in tensors:
+        dtype = np.dtype(dtype)
+        if dtype.name not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype must be one of {sorted(_ST_DTYPES)}, "
+                             f"got {dtype.name}")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype.name], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, len(head).to_bytes(8, "little") + head)
+        for name, dtype, shape, produce in tensors:
+            value = np.ascontiguousarray(produce())
+            if value.dtype != np.dtype(dtype) or tuple(value.shape) != tuple(shape):
+                raise ValueError(f"tensor {name!r}: produced {value.dtype}{value.shape}, "
+                                 f"declared {np.dtype(dtype)}{tuple(shape)}")
+            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return offset
+
+
+def write_index(path: str, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor (HF sharded layout)."""
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": weight_map}
+    atomic_write(os.path.join(path, INDEX_FILE), json.dumps(index, indent=2))
+
+
+def shard_file_name(n: int, total: int) -> str:
+    """HF name of shard ``n`` (1-based) of ``total``: ``model-00001-of-00003.safetensors``."""
+    return f"model-{n:05d}-of-{total:05d}.safetensors"
 
 
 def save_pretrained(model: Qwen3MoeForCausalLM, path: str, *,
@@ -184,11 +287,10 @@ def save_pretrained(model: Qwen3MoeForCausalLM, path: str, *,
     """Write config.json + model.safetensors (or index-json shards) loadable by HF/vLLM."""
     os.makedirs(path, exist_ok=True)
     tensors = hf_state_dict(model)
-    hf_cfg = model.config.to_hf_dict()
-    dtypes = {str(v.dtype) for v in tensors.values()}
-    hf_cfg["torch_dtype"] = "bfloat16" if dtypes == {"bfloat16"} else "float32"
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(hf_cfg, fh, indent=2, sort_keys=True)
+    dtypes = {v.dtype for v in tensors.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+    atomic_write(os.path.join(path, "config.json"),
+                 json.dumps(hf_config(model.config, dtype), indent=2, sort_keys=True))
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in tensors.items():
@@ -197,21 +299,16 @@ def save_pretrained(model: Qwen3MoeForCausalLM, path: str, *,
             size = 0
         shards[-1][name] = value
         size += value.nbytes
-    meta = {"format": "pt"}
+
+    def entries(shard):
+        return [(k, v.dtype, v.shape, lambda v=v: v) for k, v in shard.items()]
+
     if len(shards) == 1:
-        save_file(_to_jnp(shards[0]), os.path.join(path, "model.safetensors"), metadata=meta)
+        write_safetensors(os.path.join(path, "model.safetensors"), entries(shards[0]))
         return
     weight_map = {}
     for n, shard in enumerate(shards, 1):
-        fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(_to_jnp(shard), os.path.join(path, fname), metadata=meta)
+        fname = shard_file_name(n, len(shards))
+        write_safetensors(os.path.join(path, fname), entries(shard))
         weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
-             "weight_map": weight_map}
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
-        json.dump(index, fh, indent=2)
-
-
-def _to_jnp(tensors: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    # safetensors.flax handles bfloat16, which the numpy backend does not.
-    return {k: jnp.asarray(v) for k, v in tensors.items()}
+    write_index(path, weight_map, sum(v.nbytes for v in tensors.values()))

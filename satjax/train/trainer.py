@@ -8,23 +8,21 @@ worker, and decides when to publish and checkpoint.
 from __future__ import annotations
 
 import logging
-import shutil
 
 import jax
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from satjax import parallel
 from satjax.config import Config
-from satjax.model import canary_logprobs, save_pretrained
 from satjax.run_dir import RunDirs
 from satjax.train.batch import make_batch
 from satjax.train.checkpoint import Checkpointer
 from satjax.train.metrics import to_scalars, trajectory_metrics
+from satjax.train.publish import ShardedPublisher
 from satjax.train.state import TrainState, make_optimizer
 from satjax.train.step import make_train_step
-from satjax.weight_sync import WeightPublisher, published_versions
+from satjax.weight_sync import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +74,9 @@ class Trainer:
             log.info("resumed at step %d (queue cursor %d)", self.step, self.queue_cursor)
         # exact-lag workers serve version latest - exact_lag, so keep it and the two newest
         keep = max(3, cfg.train.exact_lag + 2)
-        self.publisher = WeightPublisher(self.dirs.weights, keep=keep)
         self.canary_tokens = self.tokenizer.encode(CANARY_TEXT, add_bos=True, add_eos=True)
+        self.publisher = ShardedPublisher(WeightPublisher(self.dirs.weights, keep=keep),
+                                          self.mesh, self.canary_tokens)
 
     @property
     def policy_version(self) -> int:
@@ -90,27 +89,19 @@ class Trainer:
         """Publishes the current weights as version ``policy_version`` (idempotent on
         resume: versions beyond a restored checkpoint are deleted first).
 
-        Every process of a multi-process run calls it (the parameters are gathered
-        with a collective); process 0 writes the version.
+        Returns once this process's shards are copied to host memory; writing overlaps
+        the next step (``satjax.train.publish``). Every process of a multi-process run
+        calls it and writes the tensors it owns; nothing is gathered. The previous
+        publish is finished first, and its error, if any, raised here.
         """
         v = self.policy_version
-        model = self.train_state().model
-        if jax.process_count() > 1:
-            graphdef, params = nnx.split(model)
-            # every shard to every process (numpy); only process 0 uses it
-            model = nnx.merge(graphdef, multihost_utils.process_allgather(params, tiled=True))
-            if jax.process_index() != 0:
-                return
-        for stale in published_versions(self.dirs.weights):
-            if stale >= v:  # from a timeline a crash discarded, or this very version
-                shutil.rmtree(self.dirs.version(stale), ignore_errors=True)
         lag = self.cfg.train.exact_lag
-        self.publisher.publish(
-            v, lambda d: save_pretrained(model, str(d)),
-            canary={"tokens": self.canary_tokens,
-                    "logprobs": canary_logprobs(model, self.canary_tokens)},
-            target_version=max(0, v - lag) if lag >= 0 else None,
-        )
+        self.publisher.publish(self.train_state().model, v,
+                               target_version=max(0, v - lag) if lag >= 0 else None)
+
+    def wait_published(self) -> None:
+        """Blocks until the last :meth:`publish` is visible to workers; raises its error."""
+        self.publisher.wait()
 
     def train_on(self, trajectories) -> dict[str, float]:
         """One optimizer step on ``trajectories``; returns the step's scalar metrics (the
@@ -137,6 +128,17 @@ class Trainer:
         }
 
     def save(self, *, force: bool = False) -> bool:
+        """Checkpoints now (``force``) or when due; a checkpoint first waits for the
+        publish in flight, so a run that stops after it has published everything."""
+        if force or (self.step > 0 and self.step % self.ckpt.save_every == 0):
+            self.wait_published()
         if force:
             return self.ckpt.save(self.step, self.state, queue_cursor=self.queue_cursor)
         return self.ckpt.maybe_save(self.step, self.state, queue_cursor=self.queue_cursor)
+
+    def close(self) -> None:
+        """Waits for the publish and the checkpoint in flight, then releases them."""
+        try:
+            self.wait_published()
+        finally:
+            self.ckpt.close()

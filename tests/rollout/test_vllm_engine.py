@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from satjax import parallel
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.tasks import ArithmeticTask
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, canary_logprobs, save_pretrained
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, canary_logprobs
 from satjax.model.tokenizer import CharTokenizer
 from satjax.rollout.engine import SamplingParams
+from satjax.train.publish import ShardedPublisher
 from satjax.weight_sync import (
     WeightPublisher,
     WeightSubscriber,
@@ -40,8 +42,11 @@ def _model(seed: int) -> Qwen3MoeForCausalLM:
 
 
 def _publish(pub: WeightPublisher, model, version: int, canary_tokens: list[int]) -> None:
-    pub.publish(version, lambda d: save_pretrained(model, str(d)), canary={
-        "tokens": canary_tokens, "logprobs": canary_logprobs(model, canary_tokens)})
+    """As the trainer publishes: the sharded HF layout (index + shards), canary jitted."""
+    mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
+    sharded = ShardedPublisher(pub, mesh, canary_tokens)
+    sharded.publish(model, version)
+    sharded.wait()
 
 
 def _teacher_forced(model, completions, temperature: float):

@@ -2,15 +2,20 @@
 
     python multiprocess_child.py PROCESS_ID NUM_PROCESSES PORT OUT MESH MODE
 
-MODE=train: 3 deterministic batches on the global mesh MESH (``d,f,e,t``), publishing
-each version, then a checkpoint; process 0 writes the gathered parameters before and after
-to OUT/params-{init,train}-<NUM_PROCESSES>.npz. MODE=restore: OUT's checkpoint restored
+MODE=publish: publishes the initial weights (version 0); process 0 copies the version to
+OUT/v0-<NUM_PROCESSES>-<MESH>, every process lists the files it wrote in
+OUT/files-<NUM_PROCESSES>-<MESH>-<PROCESS_ID>.json. MODE=train: that, then 3 deterministic
+batches on the global mesh MESH (``d,f,e,t``), publishing each version, then a checkpoint;
+process 0 writes the gathered parameters before and after to
+OUT/params-{init,train}-<NUM_PROCESSES>.npz. MODE=restore: OUT's checkpoint restored
 onto MESH, written to OUT/params-restore-<NUM_PROCESSES>.npz. MODE=wait: polls like a
 primary waiting for rollouts, forever (until a peer dies).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import time
 
@@ -70,6 +75,18 @@ def main() -> None:
         while True:
             peers.agree(Poll.EMPTY, None, stop=False)
             time.sleep(0.1)
+    if mode in ("train", "publish"):
+        trainer.publish()
+        trainer.wait_published()
+        tag = f"{nproc}-{mesh.replace(',', '')}"
+        with open(f"{out}/files-{tag}-{pid}.json", "w") as fh:
+            json.dump(trainer.publisher.last_files, fh)
+        if peers.primary:
+            shutil.copytree(trainer.dirs.version(0), f"{out}/v0-{tag}")
+    if mode == "publish":
+        peers.barrier("published")
+        print(f"process {pid}: published", flush=True)
+        return
     if mode == "train":
         dump("init")
         for step in range(3):
@@ -83,7 +100,7 @@ def main() -> None:
         assert trainer.save()
         trainer.ckpt.wait()
     dump(mode)
-    trainer.ckpt.close()
+    trainer.close()
     peers.barrier("done")
     print(f"process {pid}: {mode} done at step {trainer.step}", flush=True)
 

@@ -6,6 +6,7 @@ one global 8-device mesh, with the batch only process 0 "read" broadcast to the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -48,12 +49,49 @@ def load(path: Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def test_two_processes_train_like_one_and_their_checkpoint_restores_elsewhere(tmp_path):
+def hf_tensors(version: Path) -> dict[str, bytes]:
+    """Every tensor of a published version (its raw bytes), from the files its index names."""
+    from safetensors.numpy import load_file
+
+    index = json.loads((version / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for fname in sorted(set(index.values())):
+        for name, value in load_file(version / fname).items():
+            assert index[name] == fname
+            out[name] = value.tobytes()
+    assert out.keys() == index.keys()
+    return out
+
+
+def files_written(out: Path, tag: str, nproc: int) -> list[list[str]]:
+    return [json.loads((out / f"files-{tag}-{i}.json").read_text()) for i in range(nproc)]
+
+
+def test_two_processes_train_and_publish_like_one_and_their_checkpoint_restores_elsewhere(
+        tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
     run(2, two, "2,2,2,1", "train")  # data axis across the two processes
     run(1, one, "2,2,2,1", "train")
+    # version 0 (the shared initial weights): the same tensors, byte for byte, whether one
+    # process or two wrote it; with the data axis across processes each holds a replica
+    # and writes about half the files, none twice
+    ref = hf_tensors(one / "v0-1-2221")
+    assert hf_tensors(two / "v0-2-2221") == ref
+    mine = files_written(two, "2-2221", 2)
+    index = json.loads((two / "v0-2-2221" / "model.safetensors.index.json").read_text())
+    assert all(mine) and not set(mine[0]) & set(mine[1])
+    assert set(mine[0]) | set(mine[1]) == set(index["weight_map"].values())
+    # fsdp over the two processes: no process holds a whole tensor, so expert weights are
+    # resharded to whole experts per process (each receives only its own) and the rest is
+    # replicated before the write; still the same bytes
+    fsdp = tmp_path / "fsdp"
+    fsdp.mkdir()
+    run(2, fsdp, "1,2,4,1", "publish")
+    assert hf_tensors(fsdp / "v0-2-1241") == ref
+    mine = files_written(fsdp, "2-1241", 2)
+    assert all(mine) and not set(mine[0]) & set(mine[1])
     a, b = load(one / "params-train-1.npz"), load(two / "params-train-2.npz")
     init = load(two / "params-init-2.npz")
     assert a.keys() == b.keys() == init.keys() and len(a) > 10

@@ -1,0 +1,205 @@
+"""Weight publishing (satjax.train.publish): throughput and its cost on the train step.
+
+Prints, measured side by side in one run:
+  - the machine's sequential write bandwidth to the weights directory (fsync included),
+    before and after the publishes;
+  - publish throughput of a >= 300M-parameter bfloat16 MoE (bf16 as HF checkpoints of
+    the paper's model are; it also halves this shared machine's memory use) from one
+    process (1 device), GB/s of the whole publish (HF-layout copy, host copy, write,
+    fsync, rename), and its ratio to the better sequential-write figure (target: >= 0.5);
+  - step time of a real train step (make_train_step, the 26M-parameter MoE of
+    bench_rollout, one device) with a publish after every step vs without, in interleaved
+    blocks: median step time on / off (target: < 1.05); and, for reference, with each
+    publish waited for at once (what a synchronous publish costs).
+
+  PYTHONPATH=. python benchmarks/bench_publish.py [--dir /tmp] [--repeats 3] [--blocks 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+BIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+           moe_intermediate_size=512, num_hidden_layers=6, num_attention_heads=16,
+           num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4)
+STEP = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512)  # 26M
+
+
+def big_model(mesh_shape: tuple[int, int, int, int]):
+    """The >= 300M-parameter MoE, bfloat16, sharded over ``mesh_shape`` (d, f, e, t)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from satjax import parallel
+    from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = parallel.MeshConfig(*mesh_shape)
+    mesh = parallel.make_mesh(config, devices=jax.devices()[:config.size])
+    cfg = Qwen3MoeConfig.tiny(**BIG)
+    def build():
+        return Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                   param_dtype=jnp.bfloat16)
+
+    abstract = nnx.eval_shape(build)
+    graphdef, state = nnx.split(abstract)
+    shardings = parallel.state_shardings(state, mesh)
+
+    def init():  # built on the devices, already sharded: no host copy of the whole model
+        return nnx.split(build())[1]
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state), mesh
+
+
+def publish_times(model, mesh, root: Path, repeats: int) -> tuple[list[float], list[float],
+                                                                  list[str]]:
+    """(seconds until publish() returned, seconds until visible, files this process wrote)
+    per publish of versions 0..repeats-1 into ``root``."""
+    from satjax.train.publish import ShardedPublisher
+    from satjax.weight_sync import WeightPublisher
+
+    pub = ShardedPublisher(WeightPublisher(root, keep=1), mesh, [1, 5, 9, 17, 30, 2])
+    pub.publish(model, 0)  # compiles the canary; not timed
+    pub.wait()
+    calls, totals = [], []
+    for v in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        pub.publish(model, v)
+        t1 = time.perf_counter()
+        pub.wait()
+        calls.append(t1 - t0)
+        totals.append(time.perf_counter() - t0)
+    return calls, totals, pub.last_files
+
+
+def step_times(blocks: int, steps: int, directory: str
+               ) -> tuple[list[float], list[float], list[float], float]:
+    """Per-step seconds (train step + metrics to host [+ publish() call [+ its wait]])
+    without, with, and with a synchronous publish after every step, in interleaved
+    blocks; and one background publish's seconds. The first step of each block is dropped
+    (it waits for the other mode's leftovers)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.bench_train_step import synthetic_batch
+    from satjax import parallel
+    from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from satjax.train.publish import ShardedPublisher
+    from satjax.train.state import TrainState, make_optimizer
+    from satjax.train.step import make_train_step
+    from satjax.weight_sync import WeightPublisher
+
+    cfg = Qwen3MoeConfig.tiny(**STEP)
+    mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
+    model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    graphdef, state = nnx.split(TrainState(model, make_optimizer(1e-5, max_grad_norm=1.0)))
+    step = make_train_step(graphdef, state, mesh=mesh, objective="sat_gspo")
+    state = step.place_state(state)
+    batch = step.place_batch(synthetic_batch(cfg, 8, 128, 4, seed=0))
+    root = Path(tempfile.mkdtemp(prefix="bench-publish-step-", dir=directory))
+    pub = ShardedPublisher(WeightPublisher(root, keep=2), mesh, [1, 5, 9, 17, 30, 2])
+    version = 0
+    print(f"step model: {n_params / 1e6:.1f}M parameters, B=8, T=128, sat_gspo, 1 device",
+          flush=True)
+
+    def run(publish: bool, sync: bool = False) -> list[float]:
+        nonlocal state, version
+        out = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.device_get(metrics)
+            if publish:
+                version += 1
+                pub.publish(nnx.merge(graphdef, state).model, version)
+                if sync:
+                    pub.wait()
+            out.append(time.perf_counter() - t0)
+        return out[1:]
+
+    run(False)  # compile
+    run(True)
+    pub.wait()
+    off, on, sync = [], [], []
+    for _ in range(blocks):
+        off += run(False)
+        on += run(True)
+        sync += run(True, sync=True)
+    pub.wait()
+    background = pub.last_seconds
+    shutil.rmtree(root)
+    return off, on, sync, background
+
+
+def main() -> None:
+    from benchmarks.machine import print_versions, sequential_write_gbs
+
+    print_versions()
+    from satjax.model import Qwen3MoeConfig
+    from satjax.model.hf_io import hf_tensors
+
+    cfg = Qwen3MoeConfig.tiny(**BIG)
+    # one device: the canary forward of an fsdp-sharded model all-gathers it on each of
+    # several emulated devices (2 cores), which measures the emulation, not publishing.
+    # Several processes: tests/train/test_multiprocess.py (each writes its own files)
+    model, mesh = big_model((1, 1, 1, 1))
+    import jax
+    from flax import nnx
+
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    nbytes = 2 * n_params
+    free = shutil.disk_usage(ARGS.dir).free
+    if free < 3 * nbytes + (2 << 30):
+        sys.exit(f"--dir {ARGS.dir}: {free / 1e9:.1f} GB free, this benchmark needs "
+                 f"{(3 * nbytes + (2 << 30)) / 1e9:.1f} GB")
+    print(f"publish model: {n_params / 1e6:.0f}M parameters bfloat16 ({nbytes / 1e9:.2f} GB, "
+          f"{len(hf_tensors(cfg))} HF tensors), L={cfg.num_hidden_layers}, "
+          f"E={cfg.num_experts}, D={cfg.hidden_size}; --dir {ARGS.dir}", flush=True)
+    mb = min(4096, nbytes >> 20)
+    seq = [sequential_write_gbs(ARGS.dir, mbytes=mb)]
+    print(f"sequential write before: {seq[0]:.2f} GB/s ({mb} MB, fsync)", flush=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=ARGS.dir))
+    try:
+        calls, totals, files = publish_times(model, mesh, root, ARGS.repeats)
+        del model
+        seq.append(sequential_write_gbs(ARGS.dir, mbytes=mb))
+        print(f"sequential write after:  {seq[1]:.2f} GB/s", flush=True)
+        gbs = nbytes / statistics.median(totals) / 1e9
+        print(f"1 process (1 device): publish {statistics.median(totals):.2f} s "
+              f"median of {ARGS.repeats} (publish() returns after "
+              f"{statistics.median(calls):.2f} s), {len(files)} files, "
+              f"{gbs:.2f} GB/s = {gbs / max(seq):.2f} x sequential write "
+              f"(target >= 0.5: {'met' if gbs / max(seq) >= 0.5 else 'MISSED'})", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    off, on, sync, background = step_times(ARGS.blocks, ARGS.steps, ARGS.dir)
+    ratio = statistics.median(on) / statistics.median(off)
+    print(f"step time: off {statistics.median(off):.3f} s, on {statistics.median(on):.3f} s, "
+          f"synchronous publish {statistics.median(sync):.3f} s (median of {len(off)} steps "
+          f"each, {ARGS.blocks} interleaved blocks; the last background publish took "
+          f"{background:.2f} s): on/off {ratio:.3f} (target < 1.05: "
+          f"{'met' if ratio < 1.05 else 'MISSED'}), synchronous/off "
+          f"{statistics.median(sync) / statistics.median(off):.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=tempfile.gettempdir(),
+                    help="where to publish (the file system the weights would live on)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed publishes of the big model")
+    ap.add_argument("--blocks", type=int, default=4, help="interleaved on/off blocks")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    ARGS = ap.parse_args()
+    main()

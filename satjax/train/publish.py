@@ -1,0 +1,417 @@
+"""Sharded weight publishing off the critical path: every process writes what it owns.
+
+A version is the per-expert Hugging Face layout (``model-0000i-of-0000N.safetensors`` and
+``model.safetensors.index.json``, what vLLM and ``from_pretrained`` read), written into a
+staging directory of the shared weights directory and renamed into place once complete
+(:class:`satjax.weight_sync.WeightPublisher`).
+
+Who writes what (:func:`plan_publish`, computed once from the global shardings, the same
+on every process, so the index needs no communication): each HF tensor is a whole
+parameter or one expert of a stacked ``[E, ...]`` parameter. It goes to a process whose
+addressable shards hold all of it (a replica under data parallelism, its experts under
+expert parallelism), the least loaded one in bytes. A tensor no process holds whole
+(``fsdp`` or ``tensor`` split across processes) is first resharded by one jitted
+collective: stacked experts to whole experts per device (an all-to-all, each process
+receives only its experts), other tensors replicated. No process gathers the model.
+
+Overlap (:class:`ShardedPublisher`): ``publish`` only dispatches jitted work, on every
+process in the same order: a device copy of the parameters in HF layout (transposes done
+by XLA; a copy, so the next step may donate the state), the reshard above if any, and
+the canary forward; then it returns. A background thread copies this process's pieces to
+host memory (into the previous publish's buffers) and writes its files, ``WRITE_THREADS``
+at a time, fsynced. Other processes then drop a ``.done-<p>`` marker into the staging
+directory (``.failed-<p>`` with the error if they failed); process 0 waits for all of
+them, writes ``config.json``, the index and the manifest (with the canary) and renames.
+The background part uses the file system only, never a JAX collective, so it cannot
+interleave with the train step's collectives. The next ``publish`` (and ``wait``) first
+joins the previous one and raises its error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs
+from satjax.model.hf_io import (
+    HFTensor,
+    hf_config,
+    hf_layout,
+    hf_tensors,
+    model_params,
+    shard_file_name,
+    write_index,
+    write_safetensors,
+)
+from satjax.run_dir import version_dir
+from satjax.utils import atomic_write
+from satjax.weight_sync import WeightPublisher, WeightSyncError, published_versions
+
+log = logging.getLogger(__name__)
+
+WRITE_THREADS = 4  # files one process writes at once (conversion of one overlaps another's I/O)
+FILE_BYTES = 1 << 30  # a process splits its tensors into files of at most this size
+# How long process 0 waits for the other processes' files once its own are written (they
+# write equal shares at the same time); also bounds how long a dead peer holds its exit.
+PEER_TIMEOUT_S = 120.0
+
+Region = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishPlan:
+    """Which process writes which HF tensor, and into which file.
+
+    ``files``: (file name, writing process, tensor names) in index order; ``shapes``: HF
+    shape and dtype of every tensor; ``reshard``: parameter paths no process holds whole,
+    resharded (:func:`writable_sharding`) before every snapshot.
+    """
+
+    tensors: tuple[HFTensor, ...]
+    owner: dict[str, int]
+    files: tuple[tuple[str, int, tuple[str, ...]], ...]
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+    reshard: tuple[tuple, ...]
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {name: fname for fname, _, names in self.files for name in names}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(math.prod(s) * d.itemsize for s, d in self.shapes.values())
+
+    def bytes_of(self, process: int) -> int:
+        return sum(math.prod(self.shapes[n][0]) * self.shapes[n][1].itemsize
+                   for n, p in self.owner.items() if p == process)
+
+
+def _region(t: HFTensor, shape: tuple[int, ...]) -> Region:
+    whole = tuple((0, n) for n in shape)
+    return whole if t.expert is None else ((t.expert, t.expert + 1), *whole[1:])
+
+
+def _boxes_by_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+                      ) -> dict[int, set[Region]]:
+    """The distinct index boxes of an array's shards on each process."""
+    out: dict[int, set[Region]] = {}
+    for dev, index in sharding.devices_indices_map(shape).items():
+        out.setdefault(dev.process_index, set()).add(_box(index, shape))
+    return out
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _overlap(a: Region, b: Region) -> int:
+    return math.prod(max(0, min(a1, b1) - max(a0, b0))
+                     for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+
+
+def _covering(boxes: dict[int, set[Region]], region: Region) -> list[int]:
+    """Processes whose boxes cover ``region`` entirely. Shards of a ``NamedSharding`` are
+    equal or disjoint, so the overlaps of a process's distinct boxes add up."""
+    need = math.prod(b - a for a, b in region)
+    return [p for p, bs in sorted(boxes.items()) if sum(_overlap(b, region) for b in bs) == need]
+
+
+def writable_sharding(x: jax.Array, mesh: Mesh, stacked_experts: bool) -> NamedSharding:
+    """A sharding of ``x`` under which every HF tensor of it is whole on some process:
+    stacked experts split over their leading dim only (over as many mesh axes as divide
+    it), anything else replicated."""
+    axes: list[str] = []
+    if stacked_experts:
+        for name, size in mesh.shape.items():
+            if size > 1 and x.shape[0] % (math.prod(mesh.shape[a] for a in axes) * size) == 0:
+                axes.append(name)
+    return NamedSharding(mesh, PartitionSpec(tuple(axes) or None))
+
+
+def plan_publish(params: dict[tuple, jax.Array], tensors: list[HFTensor], *,
+                 mesh: Mesh, process_count: int, file_bytes: int = FILE_BYTES,
+                 min_files: int = WRITE_THREADS) -> PublishPlan:
+    """Assigns every tensor an owner process and a file (see the module docstring).
+
+    ``params`` are the global arrays in HF layout (:func:`satjax.model.hf_io.hf_layout`;
+    every process passes the same shapes and shardings and gets the same plan); expert j
+    of a stacked parameter is ``params[path][j]``. A tensor goes to the least loaded (in
+    bytes) process that holds it whole. Each process's tensors, in checkpoint order, are split into
+    ``max(min_files, ceil(bytes / file_bytes))`` files of about equal size.
+    """
+    boxes = {p: _boxes_by_process(x.sharding, x.shape) for p, x in params.items()}
+    reshard = sorted({t.path for t in tensors
+                      if not _covering(boxes[t.path], _region(t, params[t.path].shape))},
+                     key=str)
+    stacked = {t.path for t in tensors if t.expert is not None}
+    for path in reshard:
+        x = params[path]
+        boxes[path] = _boxes_by_process(writable_sharding(x, mesh, path in stacked), x.shape)
+    load = [0] * process_count
+    owner: dict[str, int] = {}
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    for t in tensors:
+        x = params[t.path]
+        piece = tuple(x.shape if t.expert is None else x.shape[1:])
+        shapes[t.name] = (piece, np.dtype(x.dtype))
+        p = min(_covering(boxes[t.path], _region(t, x.shape)), key=lambda q: (load[q], q))
+        owner[t.name] = p
+        load[p] += math.prod(piece) * np.dtype(x.dtype).itemsize
+    per_process: list[list[list[str]]] = []
+    for p in range(process_count):
+        names = [t.name for t in tensors if owner[t.name] == p]
+        nfiles = min(len(names), max(min_files, math.ceil(load[p] / file_bytes)))
+        chunks: list[list[str]] = [[] for _ in range(nfiles)]
+        done = 0
+        for n in names:  # contiguous runs of about load[p] / nfiles bytes each
+            chunks[min(nfiles - 1, done * nfiles // max(1, load[p]))].append(n)
+            done += math.prod(shapes[n][0]) * shapes[n][1].itemsize
+        per_process.append([c for c in chunks if c])
+    total = sum(len(c) for c in per_process)
+    files, k = [], 0
+    for p, chunks in enumerate(per_process):
+        for c in chunks:
+            k += 1
+            files.append((shard_file_name(k, total), p, tuple(c)))
+    return PublishPlan(tuple(tensors), owner, tuple(files), shapes, tuple(reshard))
+
+
+def snapshot(params: dict[tuple, jax.Array], plan: PublishPlan, process: int,
+             out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Host copies of the tensors ``process`` writes, assembled from its addressable shards
+    of the HF-layout ``params``, into the arrays of ``out`` where given (the previous
+    snapshot's: refilling them skips the page faults of fresh memory, about as costly as
+    the copy itself)."""
+    out = {} if out is None else out
+    path, shards = None, []
+    for t in plan.tensors:
+        if plan.owner[t.name] != process:
+            continue
+        x = params[t.path]
+        if t.path != path:  # one device -> host transfer per shard, not per expert
+            path, seen, shards = t.path, set(), []
+            for shard in x.addressable_shards:
+                box = _box(shard.index, x.shape)
+                if box not in seen:
+                    seen.add(box)
+                    shards.append((box, shard.data))
+        region = _region(t, x.shape)
+        buf = out.get(t.name)
+        if buf is None:
+            buf = np.empty(plan.shapes[t.name][0], x.dtype)
+        piece = buf if t.expert is None else buf[None]  # indexed like ``region``
+        for i, (box, data) in enumerate(shards):
+            if not _overlap(box, region):
+                continue
+            if not isinstance(data, np.ndarray):
+                data = np.asarray(data)
+                shards[i] = (box, data)
+            # the intersection, in the shard's and in the piece's coordinates
+            both = [(max(a0, b0), min(a1, b1), a0, b0)
+                    for (a0, a1), (b0, b1) in zip(box, region, strict=True)]
+            piece[tuple(slice(lo - b0, hi - b0) for lo, hi, _, b0 in both)] = \
+                data[tuple(slice(lo - a0, hi - a0) for lo, hi, a0, _ in both)]
+        out[t.name] = buf
+    return out
+
+
+def write_process_files(staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
+                        process: int, *, threads: int = WRITE_THREADS) -> list[str]:
+    """Writes (fsynced) the files ``process`` owns into ``staging``; returns their names."""
+    mine = [(fname, names) for fname, p, names in plan.files if p == process]
+
+    def write(job: tuple[str, tuple[str, ...]]) -> str:
+        fname, names = job
+        write_safetensors(str(staging / fname), [
+            (n, plan.shapes[n][1], plan.shapes[n][0], lambda n=n: host[n])
+            for n in names])
+        return fname
+
+    with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
+        return list(pool.map(write, mine))
+
+
+def _marker(staging: Path, kind: str, process: int) -> Path:
+    return staging / f".{kind}-{process}"
+
+
+def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIMEOUT_S) -> None:
+    """Process 0: blocks until every other process marked its files done in ``staging``;
+    raises :class:`WeightSyncError` if one failed or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    waiting = set(range(1, process_count))
+    while waiting:
+        for p in sorted(waiting):
+            failed = _marker(staging, "failed", p)
+            if failed.exists():
+                raise WeightSyncError(f"process {p} failed to write its weight files: "
+                                      f"{failed.read_text()}")
+            if _marker(staging, "done", p).exists():
+                waiting.discard(p)
+        if waiting and time.monotonic() > deadline:
+            raise WeightSyncError(f"processes {sorted(waiting)} did not write their weight "
+                                  f"files into {staging} within {timeout:.0f}s")
+        if waiting:
+            time.sleep(0.02)
+    for p in range(1, process_count):
+        _marker(staging, "done", p).unlink()
+
+
+class ShardedPublisher:
+    """Publishes versions of a sharded model from every process, in the background.
+
+    Args:
+      publisher: the weights directory (process 0 renames and moves the pointers).
+      mesh: the trainer's mesh (the canary forward is replicated over it).
+      canary_tokens: the fixed sequence whose log-probs go into every manifest.
+    """
+
+    def __init__(self, publisher: WeightPublisher, mesh: Mesh,
+                 canary_tokens: list[int]) -> None:
+        self.publisher = publisher
+        self.mesh = mesh
+        self.canary_tokens = list(canary_tokens)
+        self.process = jax.process_index()
+        self.process_count = jax.process_count()
+        nonce = np.random.default_rng().integers(0, 2**62, dtype=np.int64)
+        if self.process_count > 1:  # one staging directory name per version on all processes
+            nonce = multihost_utils.broadcast_one_to_all(nonce)
+        self._nonce = f"{int(nonce):x}"
+        self._count = 0
+        self._plan: PublishPlan | None = None
+        self._config: Qwen3MoeConfig | None = None
+        self._convert_fn: Callable | None = None
+        self._canary_fn: Callable | None = None
+        self._reshard_fn: Callable | None = None
+        self._thread: threading.Thread | None = None
+        self._host: dict[str, np.ndarray] | None = None  # refilled by every publish
+        self._error: tuple[int, BaseException] | None = None
+        self.last_seconds: float | None = None  # the background part of the last publish
+        self.last_files: list[str] = []  # the files this process wrote in the last publish
+
+    @property
+    def plan(self) -> PublishPlan | None:
+        """Who writes what (None before the first publish)."""
+        return self._plan
+
+    def _compile(self, model: Qwen3MoeForCausalLM) -> None:
+        tensors = hf_tensors(model.config)
+        self._config = model.config
+
+        def convert(params):  # copies even where to_hf is the identity (see publish)
+            return {p: jnp.copy(x) for p, x in hf_layout(tensors, params).items()}
+
+        self._convert_fn = jax.jit(convert)
+        # the plan follows the shardings XLA gives the HF-layout arrays (the same program,
+        # so the same shardings, on every process)
+        hf = self._convert_fn(model_params(model))
+        self._plan = plan_publish(hf, tensors, mesh=self.mesh,
+                                  process_count=self.process_count)
+        stacked = {t.path for t in tensors if t.expert is not None}
+        out = {p: writable_sharding(hf[p], self.mesh, p in stacked)
+               for p in self._plan.reshard}
+        self._reshard_fn = jax.jit(lambda xs: xs, out_shardings=out)
+        graphdef = nnx.graphdef(model)
+        tokens = np.asarray([self.canary_tokens], np.int32)
+
+        def canary(state):  # float32 log-probs of tokens[1:], like model.canary_logprobs
+            lp, _ = token_logprobs(nnx.merge(graphdef, state), jnp.asarray(tokens))
+            return lp[0, 1:]
+
+        self._canary_fn = jax.jit(canary, out_shardings=NamedSharding(self.mesh,
+                                                                      PartitionSpec()))
+
+    def publish(self, model: Qwen3MoeForCausalLM, version: int, *,
+                target_version: int | None = None) -> None:
+        """Starts publishing ``model`` as ``version`` and returns at once (after the
+        previous publish finished). Every process calls it, in the same order: it
+        dispatches jitted collectives (the HF-layout copy, a reshard for tensors no process
+        holds whole, the canary forward), never waiting for them."""
+        self.wait()
+        if self._plan is None:
+            self._compile(model)
+        # a device copy in HF layout: the next step may donate the state's buffers
+        hf = self._convert_fn(model_params(model))
+        if self._plan.reshard:
+            hf = {**hf, **self._reshard_fn({p: hf[p] for p in self._plan.reshard})}
+        with jax.set_mesh(self.mesh):
+            canary = self._canary_fn(nnx.state(model))
+        self._count += 1
+        staging = self.publisher.staging_dir(version, f"{self._nonce}-{self._count}")
+        staging.mkdir(exist_ok=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(version, staging, [hf], canary, target_version),
+            name=f"publish-v{version}", daemon=False)  # interpreter exit waits for it
+        self.last_files = []
+        self._thread.start()
+
+    def _run(self, version: int, staging: Path, hf: list[dict[tuple, jax.Array]],
+             canary: jax.Array, target_version: int | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            # device -> host (waits for the copy); the device copy is dropped right away
+            host = snapshot(hf.pop(), self._plan, self.process, out=self._host)
+            self._host = host
+            if self.process == 0:
+                self._commit(version, staging, host, canary, target_version)
+            else:
+                try:
+                    self.last_files = write_process_files(staging, self._plan, host,
+                                                          self.process)
+                except BaseException as e:
+                    atomic_write(_marker(staging, "failed", self.process), repr(e))
+                    raise
+                atomic_write(_marker(staging, "done", self.process),
+                             json.dumps(self.last_files))
+        except BaseException as e:  # surfaces on the next publish() / wait()
+            log.error("publishing version %d failed: %r", version, e)
+            self._error = (version, e)
+        self.last_seconds = time.perf_counter() - t0
+
+    def _commit(self, version: int, staging: Path, host: dict[str, np.ndarray],
+                canary: jax.Array, target_version: int | None) -> None:
+        plan = self._plan
+        root = self.publisher.sync_dir
+        for stale in published_versions(root):
+            if stale >= version:  # from a timeline a crash discarded, or this very version
+                shutil.rmtree(version_dir(root, stale), ignore_errors=True)
+        dtypes = {d for _, d in plan.shapes.values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
+
+        def write(d: Path) -> None:
+            self.last_files = write_process_files(d, plan, host, 0)
+            wait_for_peers(d, self.process_count)
+            atomic_write(d / "config.json", json.dumps(
+                hf_config(self._config, dtype), indent=2, sort_keys=True))
+            write_index(str(d), plan.weight_map, plan.total_bytes)
+
+        self.publisher.publish(
+            version, write, staging=staging, target_version=target_version,
+            canary={"tokens": self.canary_tokens,
+                    "logprobs": np.asarray(canary, np.float32).tolist()})
+
+    def wait(self) -> None:
+        """Blocks until the publish in flight (if any) is done; raises
+        :class:`WeightSyncError` if it failed (once: the next call starts afresh)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            version, e = self._error
+            self._error = None
+            raise WeightSyncError(f"publishing weights version {version} failed: {e!r}") from e
