@@ -447,7 +447,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                         log.error("final queue ack failed: %s", e)
                 checkpointed = trainer.ckpt.latest_step() or 0
                 stop.checkpointed.set()
-                trainer.ckpt.close()
+                trainer.close()  # also waits for the last publish (raises its error)
             procs.close()  # workers first (reverse start order), then the queue
     return RunOutcome(step=checkpointed, total=cfg.train.steps, last=last,
                       interrupted=interrupted)
