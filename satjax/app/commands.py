@@ -190,16 +190,17 @@ def train(argv: list[str]) -> int:
         return EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()
-        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
         import jax
 
         if jax.process_count() > 1:
-            # a normal exit runs jax.distributed's shutdown barrier, which waits for peers
-            # blocked in a collective this process left; ending here lets their heartbeat
-            # stop them within seconds
+            # No more collectives (the peers wait in one this process left; reading the
+            # checkpoint list through Orbax is one too), and no normal exit: it runs
+            # jax.distributed's shutdown barrier. Ending here lets their heartbeat stop them.
+            print(f"satjax train: failed in process {jax.process_index()}; {cont} (on "
+                  "every process)", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            sys.stderr.flush()
             os._exit(1)
+        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:
