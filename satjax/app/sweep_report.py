@@ -231,7 +231,11 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
     offset = {v: 2 ** (0.06 * (i - (len(variants) - 1) / 2)) for i, v in enumerate(variants)}
 
     def lag_axis(ax, ylabel):
-        ax.set_xscale("log", base=2)
+        # lags double; a lag of 0 (on-policy) needs the linear stretch of symlog
+        if min(lags) > 0:
+            ax.set_xscale("log", base=2)
+        else:
+            ax.set_xscale("symlog", base=2, linthresh=1)
         ax.set_xticks(lags, [str(x) for x in lags])
         ax.set_xlabel("policy lag (versions)")
         ax.set_ylabel(ylabel)
