@@ -75,9 +75,12 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class TaskConfig:
-    name: Literal["arithmetic", "jsonl"] = "arithmetic"
+    name: Literal["arithmetic", "sort", "reverse", "jsonl"] = "arithmetic"
+    # arithmetic: digits per operand; sort/reverse: length of the digit string
     min_digits: int = 1
     max_digits: int = 1
+    # sort/reverse only: reward "exact" (1 if the whole string is right) or "per_position"
+    scoring: Literal["exact", "per_position"] = "exact"
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     jsonl_path: str = ""
     tokenizer_path: str = ""  # local HF tokenizer dir; empty: the built-in char tokenizer
@@ -90,7 +93,7 @@ class RolloutConfig:
     group_size: int = 8
     prompts_per_step: int = 8
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # must stay 1 and top_k 0 (see _check_values: no truncated sampling)
     top_k: int = 0
     max_new_tokens: int = 4
     sample_dtype: Dtype = "bfloat16"
@@ -317,7 +320,13 @@ def _check_values(cfg: Config) -> None:
          ">= 1 (0 only with queue.address set: workers started separately feed that queue)")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", ">= 0")
-    need(0 < cfg.rollout.top_p <= 1, "rollout.top_p", "in (0, 1]")
+    # The trainer recomputes log-probs of the temperature-scaled distribution only; a
+    # truncated sampler (top-p / top-k) samples from another distribution, so every ratio
+    # pi/mu would be off by the truncation's renormalisation, silently.
+    need(cfg.rollout.top_p == 1.0, "rollout.top_p",
+         "1.0 during RL (the trainer's log-probs do not apply top-p truncation)")
+    need(cfg.rollout.top_k == 0, "rollout.top_k",
+         "0 during RL (the trainer's log-probs do not apply top-k truncation)")
     need(cfg.train.steps >= 0, "train.steps", ">= 0")
     need(cfg.train.max_lag >= 0, "train.max_lag", ">= 0")
     need(cfg.train.learning_rate > 0, "train.learning_rate", "> 0")
@@ -339,6 +348,8 @@ def _check_values(cfg: Config) -> None:
     need(cfg.task.min_digits >= 1, "task.min_digits", ">= 1")
     need(cfg.task.max_digits >= cfg.task.min_digits, "task.max_digits", ">= task.min_digits")
     need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
+    need(cfg.task.scoring == "exact" or cfg.task.name in ("sort", "reverse"), "task.scoring",
+         "'exact' unless task.name is 'sort' or 'reverse'")
     need(cfg.model.preset != "" or bool(cfg.model.path), "model.path",
          "set when model.preset is ''")
     need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")

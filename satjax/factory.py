@@ -7,7 +7,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from satjax.config import Config
-from satjax.data.tasks import ArithmeticTask, JsonlMathTask, load_jsonl_examples
+from satjax.data.tasks import (
+    ArithmeticTask,
+    DigitStringTask,
+    JsonlMathTask,
+    load_jsonl_examples,
+)
 from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
 from satjax.rollout.engine import SamplingParams
@@ -19,6 +24,9 @@ def build_task(cfg: Config):
         return ArithmeticTask(
             min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops, seed=cfg.seed
         )
+    if t.name in ("sort", "reverse"):
+        return DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
+                               scoring=t.scoring, seed=cfg.seed)
     return JsonlMathTask(load_jsonl_examples(t.jsonl_path))
 
 

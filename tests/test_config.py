@@ -103,7 +103,7 @@ def test_yaml_unknown_key(tmp_path):
     "override, key, allowed",
     [
         ("rollout.engine=sglang", "rollout.engine", "'builtin', 'vllm'"),
-        ("task.name=gsm8k", "task.name", "'arithmetic', 'jsonl'"),
+        ("task.name=gsm8k", "task.name", "'arithmetic', 'sort', 'reverse', 'jsonl'"),
         ("queue.fsync=sometimes", "queue.fsync", "'always', 'batch', 'never'"),
         ("rollout.sample_dtype=float16", "rollout.sample_dtype", "'float32', 'bfloat16'"),
         ("model.param_dtype=int8", "model.param_dtype", "'float32', 'bfloat16'"),
@@ -135,6 +135,28 @@ def test_mesh_is_the_mesh_config():
         load_config(overrides=["train.mesh.fsdp=0"])
     with pytest.raises(ValueError, match="MeshConfig.tensor: must be a positive int, got -1"):
         MeshConfig(tensor=-1)
+
+
+def test_truncated_sampling_is_refused_during_rl():
+    # the trainer's log-probs are those of the untruncated, temperature-scaled distribution
+    with pytest.raises(ConfigError, match=r"'rollout\.top_p': must be 1\.0 during RL .*got 0\.9"):
+        load_config(overrides=["rollout.top_p=0.9"])
+    with pytest.raises(ConfigError, match=r"'rollout\.top_k': must be 0 during RL .*got 20"):
+        load_config(overrides=["rollout.top_k=20"])
+    assert load_config(overrides=["rollout.top_p=1", "rollout.top_k=0"]).rollout.top_p == 1.0
+
+
+def test_digit_string_task_config():
+    from satjax.factory import build_task
+
+    cfg = load_config(overrides=["task.name=reverse", "task.min_digits=6", "task.max_digits=6",
+                                 "task.scoring=per_position"])
+    task = build_task(cfg)
+    ex = task.example(0)
+    assert ex.prompt.startswith("reverse:") and len(ex.answer) == 6
+    assert task.reward(ex.answer[:5] + "x", ex) == pytest.approx(5 / 6)
+    with pytest.raises(ConfigError, match=r"'task\.scoring': must be 'exact' unless"):
+        load_config(overrides=["task.scoring=per_position"])  # arithmetic has exact only
 
 
 def test_range_errors_say_what_and_got():

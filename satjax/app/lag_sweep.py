@@ -10,7 +10,10 @@ through the real queue and worker processes.
 Outputs under ``--out``: ``runs/<name>/logs/metrics.jsonl`` and ``result.json`` per run
 (a finished run whose full config is unchanged is skipped on re-run, so an interrupted
 sweep loses nothing; a changed setting re-runs it),
-``results.csv``, ``results.md`` and PNG plots.
+``results.csv``, ``results.md`` and PNG plots (``sweep_report`` defines their statistics),
+``sweep.json`` (the sweep's settings, the warm-up's score, the versions). ``--selection``
+runs GSPO alone at the smallest and largest lag and writes ``selection.md``: the phase
+that picks the test bed's settings before any other objective is run.
 """
 
 from __future__ import annotations
@@ -30,13 +33,37 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # name: objective, routing replay, whether the clip radius is sequence-level (GSPO family)
+    # name: objective, routing replay (R3), whether the clip radius is sequence-level (GSPO
+    # family). The SAT paper's rows plus PPO-clip; SAT-GRPO is the token-level SAT clip
+    # (`sat_ppo`: GRPO's token ratios with SAT's per-token interval; it averages tokens over
+    # the batch where GRPO averages within each sequence first, the same here where every
+    # answer has the same length).
     "ppo_clip": {"objective": "ppo_clip", "replay": False, "sequence_level": False},
     "grpo": {"objective": "grpo", "replay": False, "sequence_level": False},
     "gspo": {"objective": "gspo", "replay": False, "sequence_level": True},
     "sat_gspo": {"objective": "sat_gspo", "replay": False, "sequence_level": True},
+    "gspo_r3": {"objective": "gspo", "replay": True, "sequence_level": True},
+    "sat_grpo_r3": {"objective": "sat_ppo", "replay": True, "sequence_level": False},
     "sat_gspo_r3": {"objective": "sat_gspo", "replay": True, "sequence_level": True},
 }
+SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
+SWEEP_FILE = "sweep.json"
+VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
+
+
+def versions_line() -> str:
+    """``versions: python 3.11.9, jax 0.10.2, ...; 2 CPUs, Linux x86_64`` (what ran)."""
+    import importlib.metadata
+    import platform
+
+    found = {"python": platform.python_version()}
+    for name in VERSION_PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    pkgs = ", ".join(f"{k} {v}" for k, v in found.items())
+    return f"versions: {pkgs}; {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +153,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str
     from satjax.run_dir import RunDirs
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
+    from satjax.utils import atomic_write
 
     run_dir = spec.run_dir(out)
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale or half-done run starts over
@@ -153,7 +181,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str
 
     history: collections.deque = collections.deque(maxlen=spec.lag + 1)
     history.append(snapshot())
-    curve = []
+    curve, rewards = [], []
     with MetricsLogger(RunDirs(run_dir).logs, tensorboard=False) as mlog:
         for step in range(steps):
             graphdef, params = history[0]  # exactly `lag` versions old (or v0 early on)
@@ -161,6 +189,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str
             engine.set_model(nnx.merge(graphdef, params), behavior_version)
             trajectories = worker.generate_groups()
             metrics = trainer.train_on(trajectories)  # lag_mean: len(history) - 1
+            rewards.append(float(metrics["reward_mean"]))
             history.append(snapshot())
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 res = evaluate(current_model(), task, tok, num_prompts=cfg.eval.num_prompts,
@@ -172,9 +201,10 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str
     result = {
         "variant": spec.variant, "lag": spec.lag, "seed": spec.seed, "steps": steps,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
-        "seconds": time.time() - t0, "key": key,
+        "rewards": rewards, "seconds": time.time() - t0, "key": key,
     }
-    spec.result_path(out).write_text(json.dumps(result))
+    # written last and atomically: its presence (with this key) is what marks the run done
+    atomic_write(spec.result_path(out), json.dumps(result))
     return result
 
 
@@ -200,9 +230,9 @@ def main(argv: list[str]) -> int:
                    metavar="[VARIANT:]KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", default="runs/lag_sweep",
                    help="output directory (default: %(default)s)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated objectives to compare (default: %(default)s)")
-    p.add_argument("--lags", default="1,2,4,8",
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated objectives to compare (default: {','.join(VARIANTS)})")
+    p.add_argument("--lags", default="1,2,4,8,16",
                    help="comma-separated exact policy lags (default: %(default)s)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
     p.add_argument("--steps", type=int, default=60,
@@ -216,9 +246,16 @@ def main(argv: list[str]) -> int:
                    help="clip radius of the GSPO-family objectives (default: %(default)s, the "
                         "tiny task's, sized for 2-3 token answers; 'own' keeps each "
                         "objective's default, the paper's 3e-4,4e-4 for ~1000-token answers)")
+    p.add_argument("--selection", action="store_true",
+                   help=f"the selection phase: {SELECTION_VARIANT} only, at the smallest and "
+                        "the largest of --lags, plus selection.md saying whether its score "
+                        "drops by more than 2 standard errors (pick settings with this "
+                        "before running the other objectives)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    variants = [v for v in args.variants.split(",") if v]
+    if args.selection and args.variants is not None:
+        p.error(f"--selection: runs {SELECTION_VARIANT} only; drop --variants")
+    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: must be among {', '.join(VARIANTS)}, got {sorted(unknown)}")
@@ -233,10 +270,12 @@ def main(argv: list[str]) -> int:
         p.error(f"--seq-eps: must be LOW,HIGH or 'own', got {args.seq_eps!r}")
     if min(lags) < 0 or args.steps < 1 or args.eval_every < 1 or args.jobs < 1:
         p.error("--lags must be >= 0; --steps, --eval-every and --jobs >= 1")
+    if args.selection:
+        variants, lags = [SELECTION_VARIANT], sorted({min(lags), max(lags)})
     out = Path(args.out)
     specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
     from satjax.app.commands import check_resources
-    from satjax.app.run import sft_settings, warm_start
+    from satjax.app.run import sft_settings
     from satjax.run_dir import RunDirs
 
     try:  # every run's config, before the warm-up: a typo fails now, not after it
@@ -254,18 +293,28 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             p.error(f"{spec.variant}: {e}")
     out.mkdir(parents=True, exist_ok=True)
-    from satjax.factory import build_task, build_tokenizer
-
-    warm_start(warmup_cfg, build_tokenizer(warmup_cfg), build_task(warmup_cfg))
+    t_start = time.time()
+    print(versions_line(), flush=True)
     warmup = sft_settings(warmup_cfg)
+    warmup_score = _warmup_score(warmup_cfg, warmup)
     keys = {s: run_key(configs[s], args.eval_every, warmup) for s in specs}
     todo = [s for s in specs if not _done(s, out, keys[s])]
     stale = sum(s.result_path(out).exists() for s in todo)
+    sweep = {
+        "argv": argv, "selection": args.selection, "config": args.config,
+        "overrides": args.overrides, "variants": variants, "lags": lags, "seeds": seeds,
+        "steps": args.steps, "eval_every": args.eval_every, "jobs": args.jobs,
+        "seq_eps": seq_eps, "warmup": warmup, "warmup_avg_at_k": warmup_score,
+        "k": warmup_cfg.eval.k, "versions": versions_line(),
+    }
+    from satjax.utils import atomic_write
+
+    atomic_write(out / SWEEP_FILE, json.dumps(sweep, indent=1))
     print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {stale} to redo "
           f"(their config changed), {args.jobs} in parallel")
     from tqdm import tqdm
 
-    from satjax.app.sweep_report import write_csv_table_plots
+    from satjax.app.sweep_report import write_csv_table_plots, write_selection
 
     ctx = mp.get_context("spawn")
     with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
@@ -277,6 +326,35 @@ def main(argv: list[str]) -> int:
             tqdm.write(f"{spec.name}: avg@{res['k']} {res['final_avg_at_k']:.3f} "
                        f"({res['seconds']:.0f}s)")
     results = [json.loads(s.result_path(out).read_text()) for s in specs]
-    write_csv_table_plots(results, out, lags)
-    print(f"wrote {out / 'results.csv'}, {out / 'results.md'} and plots")
+    if args.selection:  # its own files: a full sweep's report in the same --out stays
+        print(write_selection(results, out, lags, warmup_avg_at_k=warmup_score), end="")
+        wrote = f"{out / 'selection.md'}"
+    else:
+        write_csv_table_plots(results, out, lags, warmup_avg_at_k=warmup_score)
+        wrote = f"{out / 'results.csv'}, {out / 'results.md'} and plots"
+    print(f"wrote {wrote}; this invocation ran {len(todo)} runs in "
+          f"{time.time() - t_start:.0f} s")
     return 0
+
+
+def _warmup_score(warmup_cfg, warmup: dict[str, Any]) -> float:
+    """Makes (or loads) the shared warm-up every run starts from (``warm_start``) and
+    returns its avg@k on the held-out split, evaluated once and cached in
+    ``<out>/warmup/score.json``."""
+    from satjax.app.evaluate import evaluate
+    from satjax.app.run import warm_start
+    from satjax.factory import build_task, build_tokenizer, sampling_params
+    from satjax.utils import atomic_write
+
+    tok, task = build_tokenizer(warmup_cfg), build_task(warmup_cfg)
+    model = warm_start(warmup_cfg, tok, task)
+    path = Path(warmup_cfg.run_dir) / "score.json"
+    key = json.loads(json.dumps([warmup, dataclasses.asdict(warmup_cfg.eval)]))
+    if path.exists() and json.loads(path.read_text()).get("key") == key:
+        return json.loads(path.read_text())["avg_at_k"]
+    res = evaluate(model, task, tok, num_prompts=warmup_cfg.eval.num_prompts,
+                   k=warmup_cfg.eval.k, seed=10_000,
+                   sampling=sampling_params(warmup_cfg, tok,
+                                            temperature=warmup_cfg.eval.temperature))
+    atomic_write(path, json.dumps({"key": key, "avg_at_k": res.avg_at_k}))
+    return res.avg_at_k

@@ -1,8 +1,19 @@
-"""Tables and plots of a lag sweep: results.csv, results.md, PNG figures."""
+"""Tables, statistics and plots of a lag sweep: results.csv, results.md, selection.md, PNGs.
+
+Statistics (every one over seeds; a run is one seed of one objective at one lag):
+
+* a cell's score: the mean of its runs' final avg@k with a 95% Student-t interval,
+  ``mean +- t_{0.975, n-1} * sd / sqrt(n)``;
+* an objective's drop: ``score(lag_lo) - score(lag_hi)`` per seed, averaged (positive:
+  staleness hurts), with its t interval; its difference from GSPO's drop gets a paired
+  bootstrap interval (seeds resampled with replacement, the same seeds for both, 10,000
+  resamples, percentile interval), so a shared seed's luck cancels;
+* a collapsed run: its training reward (10-step trailing mean) ends below half its peak,
+  i.e. it fell that far and did not recover by the last step.
+"""
 
 from __future__ import annotations
 
-import csv
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -12,11 +23,63 @@ import numpy as np
 
 from satjax.app.lag_sweep import RunSpec
 from satjax.run_dir import RunDirs
+from satjax.utils import atomic_write
+
+SMOOTH_WINDOW = 10  # steps: a batch of 8 prompts gives a very noisy per-step reward
+COLLAPSE_FRACTION = 0.5
+BOOTSTRAP_RESAMPLES = 10_000
+CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
+               "reward_peak", "reward_final", "collapsed")
 
 
-def _mean_std(xs: list[float]) -> tuple[float, float]:
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` >= 1 degrees of freedom."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
+
+
+def mean_ci(xs: list[float] | np.ndarray) -> tuple[float, float]:
+    """(mean, half-width of the 95% t interval); the half-width is nan for one value."""
     a = np.asarray(xs, np.float64)
-    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+    if a.size == 0:
+        return float("nan"), float("nan")
+    if a.size == 1:
+        return float(a[0]), float("nan")
+    return float(a.mean()), t_quantile_975(a.size - 1) * float(a.std(ddof=1)) / np.sqrt(a.size)
+
+
+def paired_bootstrap_ci(a: np.ndarray, b: np.ndarray, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = 0) -> tuple[float, float, float]:
+    """``mean(a - b)`` and its 95% percentile interval, resampling the pairs ``(a_i, b_i)``.
+
+    ``a`` and ``b`` are [n] per-seed values of two objectives (same seeds, same order).
+    """
+    diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    if diff.ndim != 1 or diff.size < 2:
+        raise ValueError(f"a, b: need two paired [n >= 2] arrays, got {diff.shape}")
+    idx = np.random.default_rng(seed).integers(0, diff.size, (resamples, diff.size))
+    means = diff[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return float(diff.mean()), float(lo), float(hi)
+
+
+def smooth(ys: list[float] | np.ndarray, window: int = SMOOTH_WINDOW) -> np.ndarray:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    y = np.asarray(ys, np.float64)
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    i = np.arange(1, y.size + 1)
+    n = np.minimum(i, window)
+    return (c[i] - c[i - n]) / n
+
+
+def collapse_stats(rewards: list[float]) -> dict[str, Any]:
+    """Peak and final smoothed training reward and whether the run collapsed: its final
+    smoothed reward is below ``COLLAPSE_FRACTION`` of its peak."""
+    s = smooth(rewards)
+    peak, final = float(s.max()), float(s[-1])
+    return {"reward_peak": peak, "reward_final": final,
+            "collapsed": bool(peak > 0 and final < COLLAPSE_FRACTION * peak)}
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -25,36 +88,127 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[int]) -> None:
-    out = Path(out)
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds"])
-        for r in results:
-            w.writerow([r["variant"], r["lag"], r["seed"], r["steps"], r["k"],
-                        f"{r['final_avg_at_k']:.4f}", f"{r['seconds']:.1f}"])
-    by = defaultdict(list)
+def _fmt_ci(m: float, h: float) -> str:
+    return f"{m:.3f}" if np.isnan(h) else f"{m:.3f} ± {h:.3f}"
+
+
+def _by_cell(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[int, float]]:
+    by: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for r in results:
-        by[(r["variant"], r["lag"])].append(r["final_avg_at_k"])
+        by[(r["variant"], r["lag"])][r["seed"]] = r["final_avg_at_k"]
+    return by
+
+
+def drops(results: list[dict[str, Any]], lo: int, hi: int) -> dict[str, np.ndarray]:
+    """Per variant, [n] per-seed drops ``score(lo) - score(hi)`` over the seeds run at both."""
+    by = _by_cell(results)
+    out = {}
+    for v in dict.fromkeys(r["variant"] for r in results):
+        seeds = sorted(set(by[(v, lo)]) & set(by[(v, hi)]))
+        out[v] = np.array([by[(v, lo)][s] - by[(v, hi)][s] for s in seeds], np.float64)
+    return out
+
+
+def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[int], *,
+                          warmup_avg_at_k: float | None = None) -> None:
+    """results.csv, results.md (scores, drops, collapses) and the PNG plots in ``out``."""
+    out = Path(out)
+    rows = []
+    for r in results:
+        c = collapse_stats(r["rewards"])
+        rows.append([r["variant"], r["lag"], r["seed"], r["steps"], r["k"],
+                     f"{r['final_avg_at_k']:.4f}", f"{r['seconds']:.1f}",
+                     f"{c['reward_peak']:.4f}", f"{c['reward_final']:.4f}", int(c["collapsed"])])
+    lines = [",".join(CSV_COLUMNS)] + [",".join(str(x) for x in row) for row in rows]
+    atomic_write(out / "results.csv", "\n".join(lines) + "\n")
+    atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k))
+    _plots(results, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
+
+
+def results_markdown(results: list[dict[str, Any]], lags: list[int],
+                     warmup_avg_at_k: float | None) -> str:
+    """The markdown report: score table, drop table with the GSPO comparison, collapses."""
+    by = _by_cell(results)
     variants = list(dict.fromkeys(r["variant"] for r in results))
     k = results[0]["k"] if results else 0
     lo, hi = min(lags), max(lags)
-    lines = [
-        "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + f" | drop {lo}->{hi} |",
-        "|---" * (len(lags) + 2) + "|",
-    ]
-    for v in variants:
-        cells = []
-        for lag in lags:
-            m, s = _mean_std(by[(v, lag)]) if by[(v, lag)] else (float("nan"), 0.0)
-            cells.append(f"{m:.3f} ± {s:.3f}" if len(by[(v, lag)]) > 1 else f"{m:.3f}")
-        drop = _mean_std(by[(v, lo)])[0] - _mean_std(by[(v, hi)])[0]
-        lines.append(f"| {v} | " + " | ".join(cells) + f" | {drop:+.3f} |")
     seeds = sorted({r["seed"] for r in results})
-    header = (f"Final avg@{k} on the held-out split (mean over {len(seeds)} seed(s); "
-              f"± is the std over seeds).\n\n")
-    (out / "results.md").write_text(header + "\n".join(lines) + "\n")
-    _plots(results, out, lags, variants)
+    warm = "" if warmup_avg_at_k is None else f" Warm-up policy: {warmup_avg_at_k:.3f}."
+    text = [f"Final avg@{k} on the held-out split: mean ± 95% t-interval half-width over "
+            f"{len(seeds)} seed(s).{warm}", "",
+            "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
+            "|---" * (len(lags) + 1) + "|"]
+    for v in variants:
+        text.append(f"| {v} | " + " | ".join(
+            _fmt_ci(*mean_ci(list(by[(v, lag)].values()))) for lag in lags) + " |")
+    d = drops(results, lo, hi)
+    text += ["", f"Drop lag {lo} -> lag {hi} (score at lag {lo} minus lag {hi}, per seed; "
+             "positive: staleness hurts), and its difference from GSPO's drop with a paired "
+             "bootstrap 95% interval (negative: degrades less than GSPO):", "",
+             "| objective | drop [95% t-interval] | minus GSPO's drop [95% bootstrap] |",
+             "|---|---|---|"]
+    for v in variants:
+        m, h = mean_ci(d[v])
+        cell = f"{m:+.3f}" if np.isnan(h) else f"{m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]"
+        if v == "gspo" or "gspo" not in d or len(d[v]) < 2 or len(d[v]) != len(d["gspo"]):
+            cmp = "—"
+        else:
+            dm, blo, bhi = paired_bootstrap_ci(d[v], d["gspo"])
+            sep = " (separates)" if blo > 0 or bhi < 0 else ""
+            cmp = f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}"
+        text.append(f"| {v} | {cell} | {cmp} |")
+    n_collapsed: dict[tuple[str, int], int] = defaultdict(int)
+    n_runs: dict[tuple[str, int], int] = defaultdict(int)
+    for r in results:
+        n_runs[(r["variant"], r["lag"])] += 1
+        n_collapsed[(r["variant"], r["lag"])] += collapse_stats(r["rewards"])["collapsed"]
+    text += ["", f"Collapsed runs (training reward, {SMOOTH_WINDOW}-step mean, ends below "
+             f"{COLLAPSE_FRACTION:g} x its peak), of the runs in each cell:", "",
+             "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + " | total |",
+             "|---" * (len(lags) + 2) + "|"]
+    for v in variants:
+        cells = [f"{n_collapsed[(v, lag)]}/{n_runs[(v, lag)]}" for lag in lags]
+        total = sum(n_collapsed[(v, lag)] for lag in lags)
+        text.append(f"| {v} | " + " | ".join(cells) + f" | {total} |")
+    return "\n".join(text) + "\n"
+
+
+def selection_summary(results: list[dict[str, Any]], lags: list[int]) -> dict[str, Any]:
+    """The selection phase's verdict for its one objective: mean score at the smallest and
+    largest lag, the drop, its standard error ``sqrt(sd_lo^2/n_lo + sd_hi^2/n_hi)`` and
+    whether the drop exceeds 2 of them."""
+    lo, hi = min(lags), max(lags)
+    (v,) = {r["variant"] for r in results}
+    a = np.array([r["final_avg_at_k"] for r in results if r["lag"] == lo], np.float64)
+    b = np.array([r["final_avg_at_k"] for r in results if r["lag"] == hi], np.float64)
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"selection: need >= 2 seeds at lags {lo} and {hi}, got "
+                         f"{a.size} and {b.size}")
+    se = float(np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size))
+    drop = float(a.mean() - b.mean())
+    collapsed = {lag: sum(collapse_stats(r["rewards"])["collapsed"] for r in results
+                          if r["lag"] == lag) for lag in (lo, hi)}
+    return {"variant": v, "lag_lo": lo, "lag_hi": hi, "n_lo": int(a.size),
+            "n_hi": int(b.size), "mean_lo": float(a.mean()), "mean_hi": float(b.mean()),
+            "drop": drop, "se": se, "drop_in_se": drop / se if se > 0 else float("inf"),
+            "degrades": bool(drop > 2 * se), "collapsed": collapsed}
+
+
+def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *,
+                    warmup_avg_at_k: float | None = None) -> str:
+    """Writes ``selection.md`` (the verdict, then the report of these runs) and
+    ``selection.json`` in ``out``; returns the verdict line."""
+    s = selection_summary(results, lags)
+    verdict = "yes" if s["degrades"] else "no"
+    text = (f"Selection ({s['variant']} only): avg@k {s['mean_lo']:.3f} at lag {s['lag_lo']} "
+            f"(n={s['n_lo']}), {s['mean_hi']:.3f} at lag {s['lag_hi']} (n={s['n_hi']}); "
+            f"drop {s['drop']:+.3f}, SE {s['se']:.3f} ({s['drop_in_se']:.1f} SE); "
+            f"drop > 2 SE: {verdict}; collapsed runs: {s['collapsed'][s['lag_lo']]} at lag "
+            f"{s['lag_lo']}, {s['collapsed'][s['lag_hi']]} at lag {s['lag_hi']}.\n")
+    atomic_write(Path(out) / "selection.json", json.dumps(s, indent=1))
+    report = results_markdown(results, sorted({s["lag_lo"], s["lag_hi"]}), warmup_avg_at_k)
+    atomic_write(Path(out) / "selection.md", text + "\n" + report)
+    return text
 
 
 def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: list[str]) -> None:
@@ -68,73 +222,106 @@ def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: 
 
     def series(key, name):
         rows = [m for m in metrics[key] if name in m and not isinstance(m[name], str)]
-        return [m["step"] for m in rows], [m[name] for m in rows]
+        return np.array([m["step"] for m in rows]), np.array([m[name] for m in rows], float)
 
-    def smooth(ys, window=10):
-        # trailing mean: a batch of 8 prompts gives a very noisy per-step reward
-        c = np.cumsum(np.insert(np.asarray(ys, np.float64), 0, 0.0))
-        n = np.minimum(np.arange(1, len(ys) + 1), window)
-        return (c[1:] - c[np.arange(1, len(ys) + 1) - n]) / n
+    def keys_of(v, lag):
+        return [k for k in runs if k[0] == v and k[1] == lag]
 
-    # 1. training reward vs step, one panel per lag
-    fig, axes = plt.subplots(1, len(lags), figsize=(4 * len(lags), 3.2), sharey=True, squeeze=False)
-    for ax, lag in zip(axes[0], lags, strict=True):
-        for v in variants:
-            keys = [k for k in runs if k[0] == v and k[1] == lag]
-            if not keys:
-                continue
-            xs, _ = series(keys[0], "reward_mean")
-            ys = np.mean([series(k, "reward_mean")[1] for k in keys], axis=0)
-            ax.plot(xs, smooth(ys), label=v, lw=1.2)
-        ax.set_title(f"lag {lag}")
-        ax.set_xlabel("step")
-    axes[0][0].set_ylabel("training reward (10-step mean)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "reward_vs_step.png", dpi=120)
-    plt.close(fig)
+    # x offsets keep the error bars of different objectives apart on the log-lag axis
+    offset = {v: 2 ** (0.06 * (i - (len(variants) - 1) / 2)) for i, v in enumerate(variants)}
 
-    # 2. final score vs lag per objective
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    def lag_axis(ax, ylabel):
+        # lags double; a lag of 0 (on-policy) needs the linear stretch of symlog
+        if min(lags) > 0:
+            ax.set_xscale("log", base=2)
+        else:
+            ax.set_xscale("symlog", base=2, linthresh=1)
+        ax.set_xticks(lags, [str(x) for x in lags])
+        ax.set_xlabel("policy lag (versions)")
+        ax.set_ylabel(ylabel)
+
+    def band(ax, xs, stack, label, **kw):
+        m = stack.mean(axis=0)
+        line, = ax.plot(xs, m, label=label, lw=1.2, **kw)
+        if len(stack) > 1:
+            se = stack.std(axis=0, ddof=1) / np.sqrt(len(stack))
+            ax.fill_between(xs, m - se, m + se, color=line.get_color(), alpha=0.2, lw=0)
+
+    # 1. final score vs lag, mean and 95% t interval over seeds
+    fig, ax = plt.subplots(figsize=(6, 4))
     for v in variants:
-        ms = [_mean_std([r["final_avg_at_k"] for r in results if r["variant"] == v
-                         and r["lag"] == lag])[0] for lag in lags]
-        ax.plot(lags, ms, marker="o", label=v)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lags, [str(x) for x in lags])
-    ax.set_xlabel("policy lag (versions)")
-    ax.set_ylabel("final avg@k")
+        cis = [mean_ci([runs[k]["final_avg_at_k"] for k in keys_of(v, lag)]) for lag in lags]
+        ax.errorbar([lag * offset[v] for lag in lags], [c[0] for c in cis],
+                    yerr=[0 if np.isnan(c[1]) else c[1] for c in cis], marker="o", capsize=3,
+                    label=v)
+    lag_axis(ax, "final avg@k (mean, 95% CI)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "score_vs_lag.png", dpi=120)
     plt.close(fig)
 
-    # 3. SAT tail / newly clipped fractions and router flip rates vs lag
-    def per_lag(v, name):
-        out = []
-        for lag in lags:
-            vals = [np.mean(series(k, name)[1]) for k in runs
-                    if k[0] == v and k[1] == lag and series(k, name)[1]]
-            out.append(float(np.mean(vals)) if vals else np.nan)
-        return out
+    # 2. training reward vs step, one panel per lag, mean +- SE over seeds
+    fig, axes = plt.subplots(1, len(lags), figsize=(3.6 * len(lags), 3.2), sharey=True,
+                             squeeze=False)
+    for ax, lag in zip(axes[0], lags, strict=True):
+        for v in variants:
+            keys = keys_of(v, lag)
+            if keys:
+                stack = np.stack([smooth(runs[k]["rewards"]) for k in keys])
+                band(ax, np.arange(1, stack.shape[1] + 1), stack, v)
+        ax.set_title(f"lag {lag}")
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel(f"training reward ({SMOOTH_WINDOW}-step mean, ± SE)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "reward_vs_step.png", dpi=120)
+    plt.close(fig)
 
-    panels = (("sat_tail_frac", "SAT tail fraction"),
-              ("sat_newly_clipped_frac", "clipped by SAT, not by the base clip"),
-              ("router_mismatch", "expert-set flips: router vs engine"))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, (name, label) in zip(axes, panels, strict=True):
-        for i, v in enumerate(variants):
-            line, = ax.plot(lags, per_lag(v, name), marker="o", label=v)
-            if name == "router_mismatch" and any(v == k[0] for k in runs):
-                # what the trainer actually used: 0 under routing replay
-                ax.plot(lags, per_lag(v, "router_mismatch_applied"), ls="--",
-                        color=line.get_color(), lw=0.8,
-                        label="applied (dashed)" if i == 0 else None)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lags, [str(x) for x in lags])
-        ax.set_xlabel("policy lag (versions)")
-        ax.set_ylabel(label)
+    # 3. SAT tail / newly clipped fractions and router flips vs lag (run means, 95% CI)
+    def per_lag(v, name):
+        return [mean_ci([float(np.mean(series(k, name)[1])) for k in keys_of(v, lag)
+                         if series(k, name)[1].size]) for lag in lags]
+
+    def errorbar(ax, v, name, **kw):
+        cis = per_lag(v, name)
+        return ax.errorbar([lag * offset[v] for lag in lags], [c[0] for c in cis],
+                           yerr=[0 if np.isnan(c[1]) else c[1] for c in cis], marker="o",
+                           capsize=3, **kw)
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for v in variants:
+        errorbar(axes[0], v, "sat_tail_frac", label=v)
+        errorbar(axes[1], v, "sat_newly_clipped_frac", label=v)
+        bars = errorbar(axes[2], v, "router_mismatch", label=v)
+        errorbar(axes[2], v, "router_mismatch_applied", ls="--", color=bars[0].get_color(),
+                 lw=0.8, label=None)
+    lag_axis(axes[0], "SAT tail fraction")
+    lag_axis(axes[1], "clipped by SAT, not by the base clip")
+    lag_axis(axes[2], "expert-set flips (solid: engine vs router;\n"
+                      "dashed: applied, 0 under replay)")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "tail_and_flips_vs_lag.png", dpi=120)
+    plt.close(fig)
+
+    # 4. per-step staleness diagnostics at the smallest and the largest lag
+    names = (("token_gate_frac", "tokens past the SAT gate"),
+             ("token_extreme_frac", "F(log 2): tokens with |d| > log 2"),
+             ("kl_k3", "k3 KL(behaviour || current)"), ("grad_norm", "gradient norm"))
+    edge = sorted({min(lags), max(lags)})
+    fig, axes = plt.subplots(len(edge), len(names), figsize=(15, 3.2 * len(edge)),
+                             squeeze=False)
+    for row, lag in zip(axes, edge, strict=True):
+        for ax, (name, label) in zip(row, names, strict=True):
+            for v in variants:
+                ys = [series(k, name) for k in keys_of(v, lag)]
+                ys = [y for y in ys if y[1].size]
+                if ys:
+                    n = min(y[1].size for y in ys)
+                    band(ax, ys[0][0][:n], np.stack([smooth(y[1][:n]) for y in ys]), v)
+            ax.set_title(f"lag {lag}: {label}", fontsize=9)
+            ax.set_xlabel("step")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "diagnostics_vs_step.png", dpi=120)
     plt.close(fig)

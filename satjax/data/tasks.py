@@ -1,7 +1,9 @@
 """Verifiable tasks: prompts with checkable answers.
 
-The built-in task is multi-digit arithmetic, small enough that a tiny MoE learns it on a
-CPU in minutes and exact enough that the reward is unambiguous. Real runs load
+The built-in tasks are multi-digit arithmetic and digit strings to sort or reverse (the
+staleness test bed's task, with answers long enough for sequence-level ratios to matter),
+small enough that a tiny MoE learns them on a CPU in minutes and exact enough that the
+reward is unambiguous. Real runs load
 GSM8K/MATH-style JSONL files from disk (see :func:`load_jsonl_examples`).
 """
 
@@ -67,6 +69,73 @@ class ArithmeticTask:
 
     def reward(self, response: str, example: Example) -> float:
         return exact_match_reward(response, example.answer)
+
+
+DIGIT_STRING_OPS = ("sort", "reverse")
+SCORINGS = ("exact", "per_position")
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitStringTask:
+    """``sort:<digits>=`` or ``reverse:<digits>=``: a string of ``min_digits..max_digits``
+    random decimal digits; the answer is the string sorted ascending or reversed.
+
+    The answer is as long as the input, so a 6-digit task has 7-token responses (with EOS):
+    long enough for GSPO's sequence ratio (the geometric mean of the token ratios) to
+    differ from any one token's ratio, unlike 1-digit arithmetic's 2-3 tokens.
+
+    ``scoring="exact"`` scores 1 for the whole string right, else 0; ``"per_position"``
+    scores the fraction of positions right (:func:`per_position_reward`), a denser signal
+    that a small policy can climb one digit at a time. Examples are pure functions of
+    ``(seed, split, index)``, as :class:`ArithmeticTask`'s.
+    """
+
+    op: str = "sort"
+    min_digits: int = 6
+    max_digits: int = 6
+    scoring: str = "exact"
+    seed: int = 0
+    size: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.op not in DIGIT_STRING_OPS:
+            raise ValueError(f"op: must be one of {DIGIT_STRING_OPS}, got {self.op!r}")
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(
+                f"min_digits/max_digits: need 1 <= min_digits <= max_digits, got "
+                f"{self.min_digits}/{self.max_digits}"
+            )
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring: must be one of {SCORINGS}, "
+                             f"got {self.scoring!r}")
+
+    def example(self, index: int, split: str = "train") -> Example:
+        if split not in SPLITS:
+            raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
+        rng = np.random.default_rng((self.seed, SPLITS.index(split), int(index)))
+        n = int(rng.integers(self.min_digits, self.max_digits + 1))
+        digits = "".join(str(int(d)) for d in rng.integers(0, 10, size=n))
+        answer = "".join(sorted(digits)) if self.op == "sort" else digits[::-1]
+        return Example(prompt_id=f"{split}-{index}", prompt=f"{self.op}:{digits}=",
+                       answer=answer)
+
+    def reward(self, response: str, example: Example) -> float:
+        if self.scoring == "exact":
+            return exact_match_reward(response, example.answer)
+        return per_position_reward(response, example.answer)
+
+
+def per_position_reward(response: str, answer: str) -> float:
+    """Fraction of positions where the response (first line, stripped) matches ``answer``.
+
+    ``sum_i [response_i == answer_i] / max(len(response), len(answer))``: a missing or an
+    extra character costs one position each, so only the exact answer scores 1.0.
+    """
+    got, want = response.split("\n", 1)[0].strip(), answer.strip()
+    n = max(len(got), len(want))
+    if n == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(got, want, strict=False)) / n
 
 
 def exact_match_reward(response: str, answer: str) -> float:

@@ -3,9 +3,11 @@
 Each metric has one owner. The jitted step (``satjax/train/step.py``) computes everything
 it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` (1 when the update
 was skipped), ``tokens``, ``sequences``, ``reward_mean``,
-``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's and the
-router's metrics. :func:`trajectory_metrics` adds what needs the raw trajectories; the run
-loop (``satjax/app/run.py``) adds the queue's and the wall clock's.
+``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's
+metrics (``kl_k3`` among them), the staleness diagnostics ``token_gate_frac`` and
+``token_extreme_frac`` (``satjax.train.step.staleness_metrics``) and the router's metrics.
+:func:`trajectory_metrics` adds what needs the raw trajectories; the run loop
+(``satjax/app/run.py``) adds the queue's and the wall clock's.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ This costs one extra forward pass per micro-batch when ``grad_accum > 1``; with
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,6 +47,42 @@ def batch_advantages(batch: Batch, *, normalize_std: bool = True) -> jax.Array:
     return losses.group_advantages(
         batch.rewards.astype(jnp.float32), batch.group_size, normalize_std=normalize_std
     )
+
+
+# F(tau)'s threshold: a token whose ratio pi/mu is outside [1/2, 2] counts as extreme.
+EXTREME_LOG_RATIO = math.log(2.0)
+
+
+def staleness_metrics(logprobs: jax.Array, behavior_logprobs: jax.Array,
+                      mask: jax.Array) -> Metrics:
+    """Token-level staleness diagnostics of a batch, for every objective alike.
+
+    With ``d = lp - mu`` per token ([B, T]), ``d_i`` its mean over row i's valid tokens
+    (SAT-GSPO's sequence proxy) and ``q`` SAT's gate, the ``SatKernelHParams().quantile``
+    (0.9) quantile of ``|d_i|`` over the valid rows:
+
+    * ``token_gate_frac``: fraction of valid tokens with ``|d| > q`` (0 when ``q == 0``):
+      how many single tokens stray past the gate the sequence-level objective applies;
+    * ``token_extreme_frac``: ``F(tau)``, the fraction of valid tokens with
+      ``|d| > tau = log 2`` (:data:`EXTREME_LOG_RATIO`), a fixed, batch-free threshold.
+
+    ``k3`` KL and the gradient norm are logged by the objective and the step themselves.
+    Inputs are [B, T] (``mask`` 0/1 or bool); outputs are float32 scalars, detached.
+    """
+    valid = jnp.asarray(mask) > 0
+    vf = valid.astype(jnp.float32)
+    d = jnp.where(valid, jax.lax.stop_gradient(logprobs).astype(jnp.float32)
+                  - behavior_logprobs.astype(jnp.float32), 0.0)
+    lengths = jnp.sum(vf, axis=1)
+    d_seq = jnp.sum(d, axis=1) / jnp.maximum(lengths, 1.0)
+    gate = losses.masked_quantile(jnp.abs(d_seq), losses.SatKernelHParams().quantile,
+                                  lengths > 0)
+    return {
+        "token_gate_frac": losses.masked_mean(((jnp.abs(d) > gate) & (gate > 0))
+                                              .astype(jnp.float32), valid),
+        "token_extreme_frac": losses.masked_mean((jnp.abs(d) > EXTREME_LOG_RATIO)
+                                                 .astype(jnp.float32), valid),
+    }
 
 
 def _route_metrics(router_topk: jax.Array, experts_used: jax.Array, batch: Batch) -> Metrics:
@@ -145,6 +182,8 @@ class _TrainStep:
             def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
                 lp, topk, used = logprobs_of(p, batch)
                 loss, oaux = self.objective_fn(lp, obj_batch)
+                oaux = {**oaux, **staleness_metrics(lp, obj_batch["behavior_logprobs"],
+                                                    obj_batch["mask"])}
                 return loss, (oaux, _route_metrics(topk, used, batch))
 
             (loss, (oaux, raux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -160,6 +199,8 @@ class _TrainStep:
         (loss, oaux), g_lp = jax.value_and_grad(
             lambda lp: self.objective_fn(lp, obj_batch), has_aux=True
         )(lp_full)
+        oaux = {**oaux, **staleness_metrics(lp_full, obj_batch["behavior_logprobs"],
+                                            obj_batch["mask"])}
         raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m), batch)
         g_micro = _split_micro(g_lp, A)
 

@@ -1,6 +1,7 @@
 """``satjax lag-sweep`` on a toy budget: runs, reports, plots, and resumes without redoing."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -11,32 +12,54 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_lag_sweep_writes_table_plots_and_skips_finished_runs(tmp_path):
+def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
+    # the test bed's config (sort 6 digits, 32 experts top-4, bf16 sampling), cut to seconds
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--config",
-           str(REPO / "configs/tiny.yaml"), "--out", str(tmp_path), "--variants",
-           "gspo,sat_gspo_r3", "--lags", "0,2", "--steps", "3", "--eval-every", "3",
-           "--jobs", "1", "--seq-eps", "0.05,0.07",
-           "--set", "sft.steps=3", "--set", "eval.num_prompts=4", "--set", "eval.k=2",
-           "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-           "--set", "checkpoint.every=1000"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+           str(REPO / "configs/testbed.yaml"), "--out", str(tmp_path),
+           "--lags", "0,2", "--seeds", "0,1", "--steps", "3", "--eval-every", "3",
+           "--jobs", "2", "--set", "sft.steps=3", "--set", "eval.num_prompts=4",
+           "--set", "eval.k=2", "--set", "rollout.prompts_per_step=2",
+           "--set", "rollout.group_size=4"]
+    variants = ["--variants", "gspo,sat_grpo_r3"]
+    r = subprocess.run(cmd + variants, env=env, capture_output=True, text=True, timeout=600,
+                       cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("versions: python ")
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
-    assert sorted((row["variant"], row["lag"]) for row in rows) == [
-        ("gspo", "0"), ("gspo", "2"), ("sat_gspo_r3", "0"), ("sat_gspo_r3", "2")]
+    assert tuple(rows[0]) == ("variant", "lag", "seed", "steps", "k", "final_avg_at_k",
+                              "seconds", "reward_peak", "reward_final", "collapsed")
+    assert sorted((row["variant"], row["lag"], row["seed"]) for row in rows) == sorted(
+        (v, lag, s) for v in ("gspo", "sat_grpo_r3") for lag in "02" for s in "01")
     assert all(0.0 <= float(row["final_avg_at_k"]) <= 1.0 for row in rows)
     table = (tmp_path / "results.md").read_text()
-    assert "| sat_gspo_r3 |" in table and "drop 0->2" in table
-    for png in ("reward_vs_step.png", "score_vs_lag.png", "tail_and_flips_vs_lag.png"):
+    assert "| sat_grpo_r3 |" in table and "Drop lag 0 -> lag 2" in table
+    assert "Collapsed runs" in table and "Warm-up policy: " in table
+    for png in ("reward_vs_step.png", "score_vs_lag.png", "tail_and_flips_vs_lag.png",
+                "diagnostics_vs_step.png"):
         assert (tmp_path / png).stat().st_size > 1000
-    # lag 2 really trained on data two versions old
-    metrics = (tmp_path / "runs" / "gspo-lag2-seed0" / "logs" / "metrics.jsonl").read_text()
-    assert '"lag_mean": 2.0' in metrics
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["lags"] == [0, 2] and sweep["variants"] == ["gspo", "sat_grpo_r3"]
+    # lag 2 really trained on data two versions old, and every step logged the diagnostics
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    assert [m["lag_mean"] for m in records] == [0.0, 1.0, 2.0]
+    for key in ("token_gate_frac", "token_extreme_frac", "kl_k3", "grad_norm"):
+        assert all(key in m for m in records), key
+    assert records[0]["kl_k3"] < 1e-2  # lag 0 at step 1: only bf16-vs-fp32 mismatch
 
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert r.returncode == 0 and "4 already done" in r.stdout
+    results = sorted(tmp_path.glob("runs/*/result.json"))
+    stamps = [p.stat().st_mtime_ns for p in results]
+    r = subprocess.run(cmd + variants, env=env, capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
+    assert r.returncode == 0 and "8 runs, 8 already done, 0 to redo" in r.stdout, r.stdout
+    assert [p.stat().st_mtime_ns for p in results] == stamps  # nothing re-ran
+    # the selection phase (gspo at the smallest and largest lag) reuses the same runs
+    r = subprocess.run(cmd + ["--selection"], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0 and "4 runs, 4 already done" in r.stdout, r.stdout
+    assert "drop > 2 SE: " in (tmp_path / "selection.md").read_text()
 
 
 def test_run_configs_take_every_override_and_their_key_follows_the_config():

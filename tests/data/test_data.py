@@ -5,9 +5,11 @@ import pytest
 from satjax.data.pipeline import eval_examples, prompt_dataset
 from satjax.data.tasks import (
     ArithmeticTask,
+    DigitStringTask,
     exact_match_reward,
     load_jsonl_examples,
     math_answer_reward,
+    per_position_reward,
 )
 
 
@@ -39,6 +41,42 @@ def test_bad_task_config_names_the_field():
         ArithmeticTask(ops=("/",))
     with pytest.raises(ValueError, match="split"):
         ArithmeticTask().example(0, "validation")
+
+
+@pytest.mark.parametrize("op", ["sort", "reverse"])
+def test_digit_string_examples_are_deterministic_and_correct(op):
+    task = DigitStringTask(op=op, min_digits=4, max_digits=7, seed=3)
+    lengths = set()
+    for i in range(200):
+        ex = task.example(i)
+        assert ex == task.example(i)
+        name, _, rest = ex.prompt.partition(":")
+        digits = rest.removesuffix("=")
+        assert name == op and digits.isdigit() and 4 <= len(digits) <= 7
+        assert ex.answer == ("".join(sorted(digits)) if op == "sort" else digits[::-1])
+        lengths.add(len(digits))
+    assert lengths == {4, 5, 6, 7}
+    assert [task.example(i).prompt for i in range(20)] != [
+        task.example(i, "test").prompt for i in range(20)]
+
+
+def test_digit_string_rewards():
+    exact = DigitStringTask(op="sort", min_digits=6, max_digits=6)
+    per_pos = DigitStringTask(op="sort", min_digits=6, max_digits=6, scoring="per_position")
+    ex = exact.example(0)
+    wrong_last = ex.answer[:-1] + str((int(ex.answer[-1]) + 1) % 10)
+    assert exact.reward(ex.answer, ex) == per_pos.reward(ex.answer + "\nmore", ex) == 1.0
+    assert exact.reward(wrong_last, ex) == 0.0
+    assert per_pos.reward(wrong_last, ex) == pytest.approx(5 / 6)
+    # a missing or an extra character costs a position; nothing right scores 0
+    assert per_position_reward("12345", "123456") == pytest.approx(5 / 6)
+    assert per_position_reward("1234567", "123456") == pytest.approx(6 / 7)
+    assert per_position_reward("", "123456") == 0.0
+    assert per_position_reward("654321", "123456") == 0.0
+    with pytest.raises(ValueError, match="op"):
+        DigitStringTask(op="shuffle")
+    with pytest.raises(ValueError, match="scoring"):
+        DigitStringTask(scoring="partial")
 
 
 def test_pipeline_resumes_from_iterator_state():

@@ -5,6 +5,7 @@ number of XLA compilations (the cost of this file) small.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -13,7 +14,7 @@ from flax import nnx
 from satjax import objectives
 from satjax.model import token_logprobs
 from satjax.train.state import make_optimizer
-from satjax.train.step import batch_advantages, make_train_step
+from satjax.train.step import batch_advantages, make_train_step, staleness_metrics
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -179,3 +180,59 @@ def test_optimizer_clips_by_global_norm():
     up_r, _ = reference.update({"w": grads["w"] * 0.1}, reference.init(params), params)
     np.testing.assert_allclose(up_c["w"], up_r["w"], rtol=1e-6)
     assert not np.allclose(up_c["w"], up_u["w"])
+
+
+def _staleness_reference(lp, mu, mask):
+    """numpy: token_gate_frac, token_extreme_frac and k3 KL as the docstrings define them."""
+    lp, mu, valid = np.asarray(lp, np.float64), np.asarray(mu, np.float64), np.asarray(mask) > 0
+    d = np.where(valid, lp - mu, 0.0)
+    rows = valid.any(axis=1)
+    d_seq = d.sum(axis=1)[rows] / valid.sum(axis=1)[rows]
+    gate = np.quantile(np.abs(d_seq), 0.9)
+    dv = d[valid]
+    return (float(np.mean(np.abs(dv) > gate)) if gate > 0 else 0.0,
+            float(np.mean(np.abs(dv) > np.log(2.0))),
+            float(np.mean(np.exp(dv) - 1.0 - dv)))
+
+
+def test_staleness_metrics_match_numpy_on_a_small_batch():
+    r = np.random.default_rng(5)
+    B, T = 6, 9
+    mu = -r.random((B, T)).astype(np.float32) * 3
+    lp = (mu + 0.6 * r.standard_normal((B, T))).astype(np.float32)
+    mask = (r.random((B, T)) < 0.7).astype(np.float32)
+    mask[2] = 0.0  # an empty row: no sequence proxy, no tokens
+    lp[mask == 0] = np.nan  # padding may hold anything
+    got = staleness_metrics(jnp.asarray(lp), jnp.asarray(mu), jnp.asarray(mask))
+    gate_frac, extreme_frac, _ = _staleness_reference(lp, mu, mask)
+    assert 0.0 < extreme_frac < 1.0 and 0.0 < gate_frac < 1.0  # the test can tell
+    np.testing.assert_allclose(float(got["token_gate_frac"]), gate_frac, rtol=1e-6)
+    np.testing.assert_allclose(float(got["token_extreme_frac"]), extreme_frac, rtol=1e-6)
+    same = staleness_metrics(jnp.asarray(mu), jnp.asarray(mu), jnp.asarray(mask))
+    assert float(same["token_gate_frac"]) == float(same["token_extreme_frac"]) == 0.0
+
+
+def test_step_logs_staleness_kl_and_grad_norm_of_its_batch(run_steps, batches, forward,
+                                                           make_state):
+    batch = batches[0]
+    _, m = run_steps([batch], replay=False)
+    lp, _ = forward(batch)  # the initial model's log-probs, outside the step
+    gate_frac, extreme_frac, kl = _staleness_reference(lp, batch.behavior_logprobs,
+                                                       batch.loss_mask)
+    assert extreme_frac > 0.0
+    np.testing.assert_allclose(m[0]["token_gate_frac"], gate_frac, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m[0]["token_extreme_frac"], extreme_frac, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m[0]["kl_k3"], kl, rtol=1e-4, atol=1e-6)
+    # grad_norm: global norm of an independent gradient of the same objective
+    graphdef, params, rest = nnx.split(make_state(0).model, nnx.Param, ...)
+    obj = objectives.make("sat_gspo")
+    obj_batch = {"behavior_logprobs": batch.behavior_logprobs,
+                 "advantages": batch_advantages(batch), "mask": batch.loss_mask}
+
+    def loss(p):
+        lp, _ = token_logprobs(nnx.merge(graphdef, p, rest), batch.tokens, batch.attention_mask)
+        return obj(lp, obj_batch)[0]
+
+    grads = jax.grad(loss)(params)
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(m[0]["grad_norm"], norm, rtol=1e-4)

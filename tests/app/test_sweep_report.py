@@ -1,0 +1,73 @@
+"""The lag sweep's statistics on hand-made results: intervals, paired bootstrap, collapses,
+the selection verdict and the markdown report."""
+
+import numpy as np
+import pytest
+
+from satjax.app import sweep_report as sr
+
+
+def test_mean_ci_is_the_student_t_interval():
+    xs = [0.40, 0.45, 0.50, 0.42, 0.47, 0.44]
+    m, h = sr.mean_ci(xs)
+    # t_{0.975, 5} = 2.5706 (printed tables)
+    assert m == pytest.approx(np.mean(xs))
+    assert h == pytest.approx(2.5706 * np.std(xs, ddof=1) / np.sqrt(6), rel=1e-4)
+    assert np.isnan(sr.mean_ci([0.3])[1])
+
+
+def test_paired_bootstrap_cancels_a_shared_seed_effect():
+    r = np.random.default_rng(0)
+    seed_luck = r.normal(0, 0.2, 8)  # large, shared by both objectives
+    a = 0.5 + seed_luck + 0.1 + r.normal(0, 0.005, 8)
+    b = 0.5 + seed_luck
+    diff, lo, hi = sr.paired_bootstrap_ci(a, b)
+    assert diff == pytest.approx(np.mean(a - b))
+    assert 0.08 < lo < diff < hi < 0.12  # paired: separates; unpaired noise would not
+    a_unpaired = 0.6 + r.normal(0, 0.2, 8)
+    _, lo2, hi2 = sr.paired_bootstrap_ci(a_unpaired, b)
+    assert lo2 < hi2 and hi2 - lo2 > 5 * (hi - lo)
+    with pytest.raises(ValueError, match="paired"):
+        sr.paired_bootstrap_ci(np.ones(1), np.ones(1))
+
+
+def test_collapse_means_below_half_the_peak_at_the_end():
+    up_down = [0.2] * 10 + [0.8] * 30 + [0.1] * 20
+    dip_recover = [0.8] * 30 + [0.1] * 20 + [0.8] * 20
+    c = sr.collapse_stats(up_down)
+    assert c["collapsed"] and c["reward_peak"] == pytest.approx(0.8)
+    assert c["reward_final"] == pytest.approx(0.1)
+    assert not sr.collapse_stats(dip_recover)["collapsed"]
+    assert not sr.collapse_stats([0.0] * 20)["collapsed"]
+    np.testing.assert_allclose(sr.smooth([1, 2, 3, 4], window=2), [1, 1.5, 2.5, 3.5])
+
+
+def _results(variant, lag, scores, rewards=None):
+    return [{"variant": variant, "lag": lag, "seed": s, "steps": 40, "k": 4,
+             "final_avg_at_k": x, "seconds": 1.0,
+             "rewards": rewards or [0.5] * 40} for s, x in enumerate(scores)]
+
+
+def test_selection_verdict_uses_the_standard_error_of_the_drop():
+    lo = [0.60, 0.62, 0.58, 0.61, 0.59, 0.60]
+    hi = [0.50, 0.52, 0.49, 0.51, 0.48, 0.50]
+    s = sr.selection_summary(_results("gspo", 1, lo) + _results("gspo", 16, hi), [1, 16])
+    se = np.sqrt(np.var(lo, ddof=1) / 6 + np.var(hi, ddof=1) / 6)
+    assert s["drop"] == pytest.approx(np.mean(lo) - np.mean(hi))
+    assert s["se"] == pytest.approx(se) and s["degrades"]
+    flat = sr.selection_summary(_results("gspo", 1, lo) + _results("gspo", 16, lo[::-1]),
+                                [1, 16])
+    assert not flat["degrades"]
+
+
+def test_markdown_report_has_cells_drops_and_collapses():
+    collapse = [0.8] * 20 + [0.1] * 20
+    results = (_results("gspo", 1, [0.6, 0.7, 0.65]) + _results("gspo", 8, [0.3, 0.4, 0.35])
+               + _results("sat_gspo", 1, [0.6, 0.7, 0.65])
+               + _results("sat_gspo", 8, [0.58, 0.68, 0.63], rewards=collapse))
+    text = sr.results_markdown(results, [1, 8], 0.5)
+    assert "Warm-up policy: 0.500" in text
+    assert "| gspo | 0.650 ± 0.124 | 0.350 ± 0.124 |" in text
+    assert "| gspo | +0.300 [+0.300, +0.300] | — |" in text
+    assert "| sat_gspo | +0.020 [+0.020, +0.020] | -0.280 [-0.280, -0.280] (separates) |" in text
+    assert "| sat_gspo | 0/3 | 3/3 | 3 |" in text
