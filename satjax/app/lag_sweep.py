@@ -197,7 +197,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str) -> dict[str
                 metrics.update({"eval/avg_at_k": res.avg_at_k, "eval/pass_at_k": res.pass_at_k})
                 curve.append((step + 1, res.avg_at_k))
             mlog.log(step + 1, metrics)
-    trainer.ckpt.close()
+    trainer.close()
     result = {
         "variant": spec.variant, "lag": spec.lag, "seed": spec.seed, "steps": steps,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
