@@ -409,10 +409,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     last = mlog.log(trainer.step, metrics)
                     mlog.flush()
                 logged_step = trainer.step
-                # stopping: the grace period is for the checkpoint (one process alone
-                # cannot skip a collective publish)
-                if peers.count > 1 or not stop.requested:
-                    trainer.publish()
+                # also when stopping: the write runs in the background, next to the
+                # checkpoint, and leaves the published weights at the checkpointed step
+                trainer.publish()
                 if trainer.save():
                     trainer.ckpt.wait()
                     if primary:
