@@ -38,12 +38,12 @@ def test_slurm_environment_is_detected(tmp_path):
         for name in ("SATJAX_COORDINATOR", "SATJAX_NUM_PROCESSES", "SATJAX_PROCESS_ID"):
             env.pop(name, None)
         procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        outs = [p.communicate(timeout=120) for p in procs]  # (stdout, stderr: gloo's logs)
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
-    lines = sorted(o.strip().splitlines()[-1] for o in outs)
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in outs)
     assert lines == ["0 2 8 3", "1 2 8 3"], outs
