@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from satjax import parallel
 assert parallel.init_distributed(auto=True)
 total = multihost_utils.process_allgather(np.array([jax.process_index() + 1]))
-print(jax.process_index(), jax.process_count(), jax.device_count(), int(np.sum(total)))
+print("result", jax.process_index(), jax.process_count(), jax.device_count(), int(np.sum(total)))
 """
 
 
@@ -45,5 +45,6 @@ def test_slurm_environment_is_detected(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
-    lines = sorted(out.strip().splitlines()[-1] for out, _ in outs)
-    assert lines == ["0 2 8 3", "1 2 8 3"], outs
+    # gloo logs to stdout as well: take the line the child marked
+    lines = sorted(x for out, _ in outs for x in out.splitlines() if x.startswith("result "))
+    assert lines == ["result 0 2 8 3", "result 1 2 8 3"], outs
