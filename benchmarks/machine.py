@@ -10,34 +10,21 @@ the same run, with these functions.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import platform
 import tempfile
 import time
 
 import numpy as np
 
+from satjax.utils import versions_line
+
 PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grpcio",
             "protobuf", "safetensors", "torch", "transformers", "vllm")
 
 
-def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
-    """Installed versions of ``packages`` (those not installed are left out)."""
-    out = {"python": platform.python_version()}
-    for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return out
-
-
 def print_versions(packages: tuple[str, ...] = PACKAGES) -> None:
     """One line: ``versions: python 3.11.9, jax 0.10.2, ...; 2 CPUs, Linux x86_64``."""
-    pkgs = ", ".join(f"{k} {v}" for k, v in versions(packages).items())
-    print(f"versions: {pkgs}; {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}",
-          flush=True)
+    print(versions_line(packages), flush=True)
 
 
 def _best_seconds(fn, repeats: int) -> float:

@@ -106,3 +106,18 @@ def retain_freed_memory(pad_bytes: int = 64 << 20, mmap_bytes: int = 32 << 20) -
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(m_mmap_threshold, int(mmap_bytes))
                 and libc.mallopt(m_top_pad, int(pad_bytes)))
+
+
+def versions_line(packages: tuple[str, ...]) -> str:
+    """``versions: python 3.11.9, jax 0.10.2, ...; 2 CPUs, Linux x86_64``: what a figure
+    ran on (``packages`` not installed are left out)."""
+    import importlib.metadata
+
+    found = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    pkgs = ", ".join(f"{k} {v}" for k, v in found.items())
+    return f"versions: {pkgs}; {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"

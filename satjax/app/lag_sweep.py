@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from satjax.utils import versions_line
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: objective, routing replay (R3), whether the clip radius is sequence-level (GSPO
     # family). The SAT paper's rows plus PPO-clip; SAT-GRPO is the token-level SAT clip
@@ -49,21 +51,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
 SWEEP_FILE = "sweep.json"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
-
-
-def versions_line() -> str:
-    """``versions: python 3.11.9, jax 0.10.2, ...; 2 CPUs, Linux x86_64`` (what ran)."""
-    import importlib.metadata
-    import platform
-
-    found = {"python": platform.python_version()}
-    for name in VERSION_PACKAGES:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    pkgs = ", ".join(f"{k} {v}" for k, v in found.items())
-    return f"versions: {pkgs}; {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +281,7 @@ def main(argv: list[str]) -> int:
             p.error(f"{spec.variant}: {e}")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    print(versions_line(), flush=True)
+    print(versions_line(VERSION_PACKAGES), flush=True)
     warmup = sft_settings(warmup_cfg)
     warmup_score = _warmup_score(warmup_cfg, warmup)
     keys = {s: run_key(configs[s], args.eval_every, warmup) for s in specs}
@@ -305,7 +292,7 @@ def main(argv: list[str]) -> int:
         "overrides": args.overrides, "variants": variants, "lags": lags, "seeds": seeds,
         "steps": args.steps, "eval_every": args.eval_every, "jobs": args.jobs,
         "seq_eps": seq_eps, "warmup": warmup, "warmup_avg_at_k": warmup_score,
-        "k": warmup_cfg.eval.k, "versions": versions_line(),
+        "k": warmup_cfg.eval.k, "versions": versions_line(VERSION_PACKAGES),
     }
     from satjax.utils import atomic_write
 
