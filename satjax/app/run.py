@@ -326,17 +326,18 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
             except QueueUnavailableError:
                 return False
 
-        if primary and cfg.queue.address:
-            client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
-        elif primary:
-            status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
-            procs.start_until_ready(
-                "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
-                          cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
-                          "--max-lag-default", str(cfg.train.max_lag),
-                          *queue_limit_flags(cfg, trainer.model_config)],
-                log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
-                timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
+        if primary:
+            if cfg.queue.address:
+                client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
+            else:
+                status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
+                procs.start_until_ready(
+                    "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
+                              cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
+                              "--max-lag-default", str(cfg.train.max_lag),
+                              *queue_limit_flags(cfg, trainer.model_config)],
+                    log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
+                    timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
         say(f"publishing weights v{trainer.policy_version}")
         trainer.publish()
         if primary:
