@@ -2,7 +2,7 @@
 
     queue server (subprocess) <- rollout workers (subprocesses, built-in engine or vLLM)
          |                                   ^
-         v                                   | weights v+1 (WeightPublisher, canary)
+         v                                   | weights v+1 (ShardedPublisher: background, canary)
     trainer: get_batch(max_lag) -> make_batch -> jitted SAT-GSPO step -> publish
 
 Queue acks follow checkpoints: the batches trained on since the last checkpoint are
