@@ -33,6 +33,7 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     assert sorted((row["variant"], row["lag"], row["seed"]) for row in rows) == sorted(
         (v, lag, s) for v in ("gspo", "sat_grpo_r3") for lag in "02" for s in "01")
     assert all(0.0 <= float(row["final_avg_at_k"]) <= 1.0 for row in rows)
+    assert len(list((tmp_path / "jax_cache").iterdir())) > 5  # the runs' shared compile cache
     table = (tmp_path / "results.md").read_text()
     assert "| sat_grpo_r3 |" in table and "Drop lag 0 -> lag 2" in table
     assert "Collapsed runs" in table and "Warm-up policy: " in table
