@@ -173,10 +173,13 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
     return "\n".join(text) + "\n"
 
 
-def selection_summary(results: list[dict[str, Any]], lags: list[int]) -> dict[str, Any]:
+def selection_summary(results: list[dict[str, Any]], lags: list[int],
+                      warmup_avg_at_k: float | None = None) -> dict[str, Any]:
     """The selection phase's verdict for its one objective: mean score at the smallest and
     largest lag, the drop, its standard error ``sqrt(sd_lo^2/n_lo + sd_hi^2/n_hi)`` and
-    whether the drop exceeds 2 of them."""
+    whether the drop exceeds 2 of them; given the warm-up's score (one fixed policy, no
+    seed spread), whether the smallest lag learns: its gain over the warm-up exceeds 2
+    standard errors ``sd_lo / sqrt(n_lo)``."""
     lo, hi = min(lags), max(lags)
     (v,) = {r["variant"] for r in results}
     a = np.array([r["final_avg_at_k"] for r in results if r["lag"] == lo], np.float64)
@@ -188,23 +191,37 @@ def selection_summary(results: list[dict[str, Any]], lags: list[int]) -> dict[st
     drop = float(a.mean() - b.mean())
     collapsed = {lag: sum(collapse_stats(r["rewards"])["collapsed"] for r in results
                           if r["lag"] == lag) for lag in (lo, hi)}
+    learns: dict[str, Any] = {}
+    if warmup_avg_at_k is not None:
+        gain, se_lo = float(a.mean() - warmup_avg_at_k), float(a.std(ddof=1) / np.sqrt(a.size))
+        learns = {"gain_lo": gain, "se_lo": se_lo,
+                  "gain_in_se": gain / se_lo if se_lo > 0 else float("inf"),
+                  "learns": bool(gain > 2 * se_lo)}
     return {"variant": v, "lag_lo": lo, "lag_hi": hi, "n_lo": int(a.size),
             "n_hi": int(b.size), "mean_lo": float(a.mean()), "mean_hi": float(b.mean()),
             "drop": drop, "se": se, "drop_in_se": drop / se if se > 0 else float("inf"),
-            "degrades": bool(drop > 2 * se), "collapsed": collapsed}
+            "degrades": bool(drop > 2 * se), "collapsed": collapsed, **learns}
 
 
 def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *,
                     warmup_avg_at_k: float | None = None) -> str:
     """Writes ``selection.md`` (the verdict, then the report of these runs) and
     ``selection.json`` in ``out``; returns the verdict line."""
-    s = selection_summary(results, lags)
-    verdict = "yes" if s["degrades"] else "no"
+    s = selection_summary(results, lags, warmup_avg_at_k)
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    learns = ("" if "learns" not in s else
+              f"lag {s['lag_lo']} vs the warm-up's {warmup_avg_at_k:.3f}: {s['gain_lo']:+.3f}, "
+              f"SE {s['se_lo']:.3f} ({s['gain_in_se']:.1f} SE); learns (> 2 SE): "
+              f"{yes(s['learns'])}; ")
     text = (f"Selection ({s['variant']} only): avg@k {s['mean_lo']:.3f} at lag {s['lag_lo']} "
             f"(n={s['n_lo']}), {s['mean_hi']:.3f} at lag {s['lag_hi']} (n={s['n_hi']}); "
             f"drop {s['drop']:+.3f}, SE {s['se']:.3f} ({s['drop_in_se']:.1f} SE); "
-            f"drop > 2 SE: {verdict}; collapsed runs: {s['collapsed'][s['lag_lo']]} at lag "
-            f"{s['lag_lo']}, {s['collapsed'][s['lag_hi']]} at lag {s['lag_hi']}.\n")
+            f"drop > 2 SE: {yes(s['degrades'])}; {learns}collapsed runs: "
+            f"{s['collapsed'][s['lag_lo']]} at lag {s['lag_lo']}, "
+            f"{s['collapsed'][s['lag_hi']]} at lag {s['lag_hi']}.\n")
     atomic_write(Path(out) / "selection.json", json.dumps(s, indent=1))
     report = results_markdown(results, sorted({s["lag_lo"], s["lag_hi"]}), warmup_avg_at_k)
     atomic_write(Path(out) / "selection.md", text + "\n" + report)

@@ -57,7 +57,15 @@ def test_selection_verdict_uses_the_standard_error_of_the_drop():
     assert s["se"] == pytest.approx(se) and s["degrades"]
     flat = sr.selection_summary(_results("gspo", 1, lo) + _results("gspo", 16, lo[::-1]),
                                 [1, 16])
-    assert not flat["degrades"]
+    assert not flat["degrades"] and "learns" not in flat  # no warm-up score given
+    # lag 1 learns when its gain over the (seedless) warm-up exceeds 2 SE of its mean
+    se_lo = np.std(lo, ddof=1) / np.sqrt(6)
+    gain = sr.selection_summary(_results("gspo", 1, lo) + _results("gspo", 16, hi), [1, 16],
+                                warmup_avg_at_k=0.58)
+    assert gain["gain_lo"] == pytest.approx(0.02) and gain["se_lo"] == pytest.approx(se_lo)
+    assert gain["learns"]
+    assert not sr.selection_summary(_results("gspo", 1, lo) + _results("gspo", 16, hi),
+                                    [1, 16], warmup_avg_at_k=0.6)["learns"]
 
 
 def test_markdown_report_has_cells_drops_and_collapses():
