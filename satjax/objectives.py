@@ -65,6 +65,8 @@ _REGISTRY: dict[str, tuple[type[hp_lib.HParams], Callable[..., Any]]] = {
     "grpo": (hp_lib.GrpoHParams, losses.grpo_loss),
     "ppo_clip": (hp_lib.PpoClipHParams, losses.ppo_clip_loss),
     "sat_ppo": (hp_lib.SatPpoHParams, losses.sat_ppo_loss),
+    "dppo_tv": (hp_lib.DppoTvHParams, losses.dppo_tv_loss),
+    "dppo_kl": (hp_lib.DppoKlHParams, losses.dppo_kl_loss),
 }
 
 NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -201,3 +203,13 @@ def ppo_clip(**hp: Any) -> Objective:
 def sat_ppo(**hp: Any) -> Objective:
     """Token-level SAT; see :func:`satjax.losses.sat_ppo_loss`."""
     return make("sat_ppo", **hp)
+
+
+def dppo_tv(**hp: Any) -> Objective:
+    """DPPO-Binary-TV; see :func:`satjax.losses.dppo_tv_loss`."""
+    return make("dppo_tv", **hp)
+
+
+def dppo_kl(**hp: Any) -> Objective:
+    """DPPO-Binary-KL; see :func:`satjax.losses.dppo_kl_loss`."""
+    return make("dppo_kl", **hp)

@@ -3,8 +3,8 @@
 One module per family, everything re-exported here (``satjax.losses.X``):
 
 * :mod:`~satjax.losses.policy_gradient`: ``ppo_clip_loss``, ``grpo_loss``, ``gspo_loss``,
-  ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_gspo_loss``, ``clipped_surrogate``,
-  ``AUX_KEYS``;
+  ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_gspo_loss``, ``dppo_tv_loss``,
+  ``dppo_kl_loss``, ``clipped_surrogate``, ``AUX_KEYS``;
 * :mod:`~satjax.losses.sat`: ``sat_interval`` (Hill and Gauss kernels);
 * :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
 * :mod:`~satjax.losses.advantages`: ``group_advantages``;
@@ -25,6 +25,10 @@ from satjax.losses.hparams import (
     KERNELS,
     PROXIES,
     SCALES,
+    ClipHParams,
+    DppoHParams,
+    DppoKlHParams,
+    DppoTvHParams,
     GroupAdvantageHParams,
     GrpoHParams,
     GspoHParams,
@@ -40,6 +44,8 @@ from satjax.losses.hparams import (
 from satjax.losses.policy_gradient import (
     AUX_KEYS,
     clipped_surrogate,
+    dppo_kl_loss,
+    dppo_tv_loss,
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
@@ -52,11 +58,11 @@ from satjax.losses.sat import sat_interval
 
 __all__ = [
     "AUX_KEYS", "IS_CORRECTIONS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
-    "GroupAdvantageHParams", "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams",
-    "PpoClipHParams",
+    "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
+    "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
     "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
-    "clipped_surrogate", "group_advantages", "grpo_loss", "gspo_loss", "gspo_token_loss",
-    "masked_mean", "masked_quantile", "mis_mask", "ppo_clip_loss", "sat_gspo_loss",
-    "sat_interval", "sat_ppo_loss", "tis_weights",
+    "clipped_surrogate", "dppo_kl_loss", "dppo_tv_loss", "group_advantages", "grpo_loss",
+    "gspo_loss", "gspo_token_loss", "masked_mean", "masked_quantile", "mis_mask",
+    "ppo_clip_loss", "sat_gspo_loss", "sat_interval", "sat_ppo_loss", "tis_weights",
 ]

@@ -1,10 +1,11 @@
 """Hyperparameters of every objective: the one place their defaults and ranges are written.
 
-One frozen dataclass per objective, built from shared parts: :class:`HParams` (clip
-radii and the rollout/trainer importance-sampling correction), its sequence-level
-(GSPO-family, radii ~1e-4) and token-level (PPO/GRPO, radii ~0.2) defaults, and
-:class:`SatKernelHParams` (the SAT contraction kernel). Constructing one validates it, so an
-instance is always in range::
+One frozen dataclass per objective, built from shared parts: :class:`HParams` (the
+rollout/trainer importance-sampling correction every objective has), :class:`ClipHParams`
+(ratio clip radii) with its sequence-level (GSPO-family, radii ~1e-4) and token-level
+(PPO/GRPO, radii ~0.2) defaults, :class:`SatKernelHParams` (the SAT contraction kernel)
+and :class:`DppoHParams` (DPPO's divergence thresholds instead of a ratio clip).
+Constructing one validates it, so an instance is always in range::
 
     >>> from satjax.losses import SatGspoHParams
     >>> SatGspoHParams(lam=0.5).lam
@@ -61,6 +62,9 @@ RANGES: dict[str, dict[str, Any]] = {
     "clip_ratio_c": {"low": 1.0, "low_open": True},  # verl's dual clip: must exceed 1
     "eps": {"low": 0.0},
     "ddof": {"low": 0.0},
+    "delta_low": {"low": 0.0},
+    "delta_high": {"low": 0.0},
+    "ratio_cap": {"low": 0.0, "low_open": True},
 }
 # Numeric hyperparameters whose ``None`` means "off".
 OPTIONAL: frozenset[str] = frozenset({"low_threshold", "is_threshold_low", "clip_ratio_c"})
@@ -94,16 +98,13 @@ class _Validated:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HParams(_Validated):
-    """What every objective has: clip radii ``[1 - eps_low, 1 + eps_high]`` and the IS
-    correction.
+    """What every objective has: the IS correction.
 
     ``is_correction`` None | "tis" (:func:`~satjax.losses.tis_weights`) | "mis"
     (:func:`~satjax.losses.mis_mask`) with ``is_threshold`` and ``is_level``;
     ``is_threshold_low`` is MIS's lower bound (None: no lower bound; MIS only).
     """
 
-    eps_low: float
-    eps_high: float
     is_correction: ISCorrection = None
     is_threshold: float = 2.0
     is_threshold_low: float | None = None
@@ -121,7 +122,15 @@ class HParams(_Validated):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SequenceClipHParams(HParams):
+class ClipHParams(HParams):
+    """The ratio clip interval ``[1 - eps_low, 1 + eps_high]`` (every objective but DPPO)."""
+
+    eps_low: float
+    eps_high: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SequenceClipHParams(ClipHParams):
     """GSPO-family radii: the ratio is a per-sequence geometric mean, so it stays near 1."""
 
     eps_low: float = 3e-4
@@ -129,7 +138,7 @@ class SequenceClipHParams(HParams):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TokenClipHParams(HParams):
+class TokenClipHParams(ClipHParams):
     """Token-level radii (DAPO's clip-higher asymmetry) and the dual clip.
 
     ``clip_ratio_c`` (verl's name; None = off, else > 1): for ``A < 0`` the token loss is
@@ -185,6 +194,34 @@ class PpoClipHParams(TokenClipHParams):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SatPpoHParams(SatKernelHParams, TokenClipHParams):
     """:func:`~satjax.losses.sat_ppo_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DppoHParams(HParams):
+    """DPPO (:func:`~satjax.losses.dppo_tv_loss`, :func:`~satjax.losses.dppo_kl_loss`):
+    a token's gradient is dropped when the divergence between the current and the reference
+    probability of the sampled token leaves ``delta_low`` (``A < 0``) or ``delta_high``
+    (``A > 0``); kept tokens are weighted by ``min(r, ratio_cap)`` (no gradient through it).
+    ``ratio_cap`` is 1e4 in the paper's recipe, i.e. practically no truncation.
+    """
+
+    ratio_cap: float = 1e4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DppoTvHParams(DppoHParams):
+    """DPPO-Binary-TV: thresholds on ``p - q`` (the paper's and verl's default 0.15)."""
+
+    delta_low: float = 0.15
+    delta_high: float = 0.15
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DppoKlHParams(DppoHParams):
+    """DPPO-Binary-KL: thresholds on the binary KL ``KL(Bern(q) || Bern(p))`` (default 0.05)."""
+
+    delta_low: float = 0.05
+    delta_high: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

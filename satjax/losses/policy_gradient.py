@@ -1,4 +1,5 @@
-"""Pure-jnp policy-gradient losses: PPO-clip, GRPO, GSPO, GSPO-token, SAT-PPO, SAT-GSPO.
+"""Pure-jnp policy-gradient losses: PPO-clip, GRPO, GSPO, GSPO-token, SAT-PPO, SAT-GSPO,
+DPPO (Binary-TV and Binary-KL).
 
 Every function here is pure (no hidden state, no randomness) and safe under ``jax.jit``,
 ``jax.vmap`` and ``jax.grad``. Conventions shared by all losses:
@@ -41,6 +42,9 @@ from satjax.losses.hparams import (
     CHOICES,
     RANGES,
     SAT_DEFAULTS,
+    DppoHParams,
+    DppoKlHParams,
+    DppoTvHParams,
     SatGspoHParams,
     TokenClipHParams,
     check_hparams,
@@ -185,15 +189,17 @@ def _kl_k3(p: Mapping[str, Array]) -> Array:
 
 
 def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
-         lo: Array, hi: Array, eps_low: Any, eps_high: Any, factor: Array | None,
-         min_factor: Array | None = None) -> dict[str, Array]:
+         lo: Array | float, hi: Array | float, eps_low: Any, eps_high: Any,
+         factor: Array | None, min_factor: Array | None = None,
+         binds: tuple[Array, Array] | None = None) -> dict[str, Array]:
     """Scalar metrics over valid units (rows for sequence losses, tokens otherwise).
 
     Clip fractions count where the clip *binds* for the advantage's sign (verl's
     ``pg_clipfrac``): ``A > 0`` and ``r > hi`` (high) or ``A < 0`` and ``r < lo`` (low); a
     ratio outside the interval on the other side keeps its gradient and is not counted.
-    For sequence-level losses each row counts once per valid token (token-weighted, as
-    verl's GSPO); the other metrics are plain means over units.
+    An objective without a ratio interval (DPPO) passes its own ``binds`` (low, high): the
+    units whose gradient it drops. For sequence-level losses each row counts once per valid
+    token (token-weighted, as verl's GSPO); the other metrics are plain means over units.
     """
     dt = ratio.dtype
     one = jnp.ones((), dt)
@@ -208,7 +214,7 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
     def clip_mean(x: Array) -> Array:
         return jnp.sum(x.astype(dt) * clip_w) / n_clip
 
-    binds_low, binds_high = (adv < 0) & (ratio < lo), (adv > 0) & (ratio > hi)
+    binds_low, binds_high = binds or ((adv < 0) & (ratio < lo), (adv > 0) & (ratio > hi))
     aux = {
         "clip_frac_low": clip_mean(binds_low),
         "clip_frac_high": clip_mean(binds_high),
@@ -581,3 +587,113 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f,
                min_factor=min_factor)
     return loss, aux
+
+
+# --------------------------------------------------------------------------- DPPO
+
+
+def _dppo(p: Mapping[str, Array], out_low: Array, out_high: Array,
+          ratio_cap: Any) -> tuple[Array, dict[str, Array]]:
+    """DPPO core: token-mean of ``A * sg(min(r, ratio_cap)) * lp`` over the tokens not
+    dropped, a token being dropped when its divergence is out (``out_low`` for ``A < 0``,
+    ``out_high`` for ``A > 0``); DPPO has no ratio interval, so its radius metrics are 0."""
+    r = _ratio(p["log_ratio"])
+    adv = p["adv"][:, None]
+    drop_low, drop_high = (adv < 0) & out_low & p["valid"], (adv > 0) & out_high & p["valid"]
+    coef = jax.lax.stop_gradient(jnp.minimum(r, jnp.asarray(ratio_cap, r.dtype)))
+    j = jnp.where(drop_low | drop_high, 0.0, adv * coef * p["lp"]) * p["w"] * p["vf"]
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+               lo=1.0, hi=1.0, eps_low=0.0, eps_high=0.0, factor=None,
+               binds=(drop_low, drop_high))
+    return loss, aux
+
+
+@_jit_loss
+def dppo_tv_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                 *, delta_low: float = DppoTvHParams.delta_low,
+                 delta_high: float = DppoTvHParams.delta_high,
+                 ratio_cap: float = DppoHParams.ratio_cap, old_logprobs: Array | None = None,
+                 token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """DPPO-Binary-TV: a policy gradient that drops a token when the probability of the
+    sampled token moved too far, instead of clipping the ratio.
+
+    With ``p = exp(lp_{i,t})``, ``q = exp(ref_{i,t})`` and ``r = p / q``: a token is kept
+    unless ``A_i > 0`` and ``p - q > delta_high``, or ``A_i < 0`` and
+    ``p - q < -delta_low``; loss = ``-sum_{kept} A_i sg(min(r, ratio_cap)) lp_{i,t} /
+    #valid tokens``, whose gradient at a kept token is PPO's unclipped ``-A_i grad r``.
+    ``clip_frac_low`` / ``clip_frac_high`` are the shares of valid tokens dropped with
+    ``A < 0`` / ``A > 0`` (verl's ``pg_clipfrac`` is their sum).
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      DPPO: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+      arXiv:2602.04879 (public recipes: verl ``dppo_tv``, sail-sg/Stable-RL).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.dppo_tv_loss(lp, mu, adv, mask)  # p - q = 0.145: kept
+      >>> round(float(loss), 4), float(aux["clip_frac_high"])
+      (1.0496, 0.0)
+      >>> loss, aux = losses.dppo_tv_loss(lp, mu, adv, mask, delta_high=0.1)  # dropped
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (0.5, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    dt = p["lp"].dtype
+    tv = jax.lax.stop_gradient(jnp.exp(p["lp"]) - jnp.exp(p["ref"]))  # p - q
+    return _dppo(p, tv < -jnp.asarray(delta_low, dt), tv > jnp.asarray(delta_high, dt),
+                 ratio_cap)
+
+
+@_jit_loss
+def dppo_kl_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                 *, delta_low: float = DppoKlHParams.delta_low,
+                 delta_high: float = DppoKlHParams.delta_high,
+                 ratio_cap: float = DppoHParams.ratio_cap, old_logprobs: Array | None = None,
+                 token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """DPPO-Binary-KL: :func:`dppo_tv_loss` with the binary KL as the divergence, masked
+    on the outward side only.
+
+    ``D = q log(q / p) + (1 - q) log((1 - q) / (1 - p))`` (the KL between the Bernoulli
+    distributions "the sampled token or not" under the reference and the current policy);
+    a token is dropped if ``A_i > 0``, ``p > q`` and ``D > delta_high``, or ``A_i < 0``,
+    ``p < q`` and ``D > delta_low``; the loss is that of :func:`dppo_tv_loss`. ``1 - p``
+    is computed as ``-expm1(lp)``, exact for probabilities near 1.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      DPPO: Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+      arXiv:2602.04879 (public recipes: verl ``dppo_kl``, sail-sg/Stable-RL).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.dppo_kl_loss(lp, mu, adv, mask)  # D = 0.0486 <= 0.05: kept
+      >>> round(float(loss), 4), float(aux["clip_frac_high"])
+      (1.0496, 0.0)
+      >>> loss, aux = losses.dppo_kl_loss(lp, mu, adv, mask, delta_high=0.04)  # dropped
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (0.5, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    dt = p["lp"].dtype
+    lp, ref = jax.lax.stop_gradient(p["lp"]), p["ref"]
+    q, not_q, not_p = jnp.exp(ref), -jnp.expm1(ref), -jnp.expm1(lp)
+    kl = (q * (ref - lp) + jax.scipy.special.xlogy(not_q, not_q)
+          - jax.scipy.special.xlogy(not_q, not_p))
+    return _dppo(p, (lp < ref) & (kl > jnp.asarray(delta_low, dt)),
+                 (lp > ref) & (kl > jnp.asarray(delta_high, dt)), ratio_cap)

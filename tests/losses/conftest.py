@@ -49,7 +49,7 @@ def tok_eps():
 
 @pytest.fixture(scope="session")
 def all_losses():
-    """Objective name -> (its loss function, the test radii for its level)."""
+    """Objective name -> (its loss function, the test radii for its level; DPPO has none)."""
     return {
         "gspo": (L.gspo_loss, SEQ_EPS),
         "sat_gspo": (L.sat_gspo_loss, SEQ_EPS),
@@ -57,6 +57,8 @@ def all_losses():
         "ppo_clip": (L.ppo_clip_loss, TOK_EPS),
         "grpo": (L.grpo_loss, TOK_EPS),
         "sat_ppo": (L.sat_ppo_loss, TOK_EPS),
+        "dppo_tv": (L.dppo_tv_loss, {}),
+        "dppo_kl": (L.dppo_kl_loss, {}),
     }
 
 
