@@ -371,7 +371,8 @@ def _check_objective(obj: ObjectiveConfig) -> None:
     for key in obj.hparams:
         if key not in allowed:
             raise ConfigError(f"config key 'objective.hparams.{key}': must be a hyperparameter "
-                              f"of {obj.name} ({', '.join(allowed)}), got unknown {key!r}")
+                              f"of {obj.name} ({', '.join(allowed)}), got unknown {key!r} "
+                              "(objective.hparams={} keeps only the objective's defaults)")
     hints = typing.get_type_hints(cls)
     obj.hparams = {k: _coerce(v, hints[k], f"objective.hparams.{k}")
                    for k, v in obj.hparams.items()}

@@ -38,10 +38,10 @@ from satjax.utils import versions_line
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: objective, routing replay (R3), whether the clip radius is sequence-level (GSPO
-    # family). The SAT paper's rows plus PPO-clip; SAT-GRPO is the token-level SAT clip
-    # (`sat_ppo`: GRPO's token ratios with SAT's per-token interval; it averages tokens over
-    # the batch where GRPO averages within each sequence first, the same here where every
-    # answer has the same length).
+    # family). The SAT paper's rows plus PPO-clip and DPPO-Binary-TV; SAT-GRPO is the
+    # token-level SAT clip (`sat_ppo`: GRPO's token ratios with SAT's per-token interval;
+    # it averages tokens over the batch where GRPO averages within each sequence first,
+    # the same here where every answer has the same length).
     "ppo_clip": {"objective": "ppo_clip", "replay": False, "sequence_level": False},
     "grpo": {"objective": "grpo", "replay": False, "sequence_level": False},
     "gspo": {"objective": "gspo", "replay": False, "sequence_level": True},
@@ -49,6 +49,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gspo_r3": {"objective": "gspo", "replay": True, "sequence_level": True},
     "sat_grpo_r3": {"objective": "sat_ppo", "replay": True, "sequence_level": False},
     "sat_gspo_r3": {"objective": "sat_gspo", "replay": True, "sequence_level": True},
+    # the paper's strongest non-SAT row; its own thresholds (no ratio clip, so no --seq-eps)
+    "dppo_tv": {"objective": "dppo_tv", "replay": False, "sequence_level": False},
 }
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
 SWEEP_FILE = "sweep.json"
