@@ -30,6 +30,11 @@ COLLAPSE_FRACTION = 0.5
 BOOTSTRAP_RESAMPLES = 10_000
 CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
                "reward_peak", "reward_final", "collapsed")
+# per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
+DIAGNOSTICS = (("router_mismatch", "router flips"), ("router_mismatch_applied", "applied flips"),
+               ("sat_tail_frac", "SAT tail"), ("sat_newly_clipped_frac", "SAT newly clipped"),
+               ("clip_frac_low", "clipped low"), ("clip_frac_high", "clipped high"),
+               ("token_extreme_frac", "F(log 2)"), ("kl_k3", "k3 KL"))
 
 
 def t_quantile_975(df: int) -> float:
@@ -121,7 +126,8 @@ def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[i
                      f"{c['reward_peak']:.4f}", f"{c['reward_final']:.4f}", int(c["collapsed"])])
     lines = [",".join(CSV_COLUMNS)] + [",".join(str(x) for x in row) for row in rows]
     atomic_write(out / "results.csv", "\n".join(lines) + "\n")
-    atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k))
+    atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k) + "\n"
+                 + diagnostics_markdown(results, out, lags))
     _plots(results, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
 
 
@@ -226,6 +232,36 @@ def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *
     report = results_markdown(results, sorted({s["lag_lo"], s["lag_hi"]}), warmup_avg_at_k)
     atomic_write(Path(out) / "selection.md", text + "\n" + report)
     return text
+
+
+def diagnostics_markdown(results: list[dict[str, Any]], out: Path, lags: list[int]) -> str:
+    """Per objective at the smallest and the largest lag, each :data:`DIAGNOSTICS` metric
+    averaged over a run's steps, then over its seeds (``—``: none of its runs logged it)."""
+    edge = sorted({min(lags), max(lags)})
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    means: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if r["lag"] not in edge:
+            continue
+        rows = _read_metrics(RunDirs(RunSpec(r["variant"], r["lag"], r["seed"]).run_dir(out))
+                             .metrics)
+        for name, _ in DIAGNOSTICS:
+            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
+            if xs:
+                means[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
+    text = ["Diagnostics: each per-step metric's mean over a run's steps, averaged over the "
+            "seeds (router flips: the engine's and the trainer's expert sets differ, per "
+            "(token, layer); applied: the flips the trainer's forward used, 0 under replay; "
+            "SAT newly clipped: clipped by SAT's narrowed interval but not by the base clip):",
+            "", "| objective | lag | " + " | ".join(label for _, label in DIAGNOSTICS) + " |",
+            "|---" * (len(DIAGNOSTICS) + 2) + "|"]
+    for v in variants:
+        for lag in edge:
+            cell = means[(v, lag)]
+            text.append(f"| {v} | {lag} | " + " | ".join(
+                f"{np.mean(cell[name]):.3f}" if cell[name] else "—"
+                for name, _ in DIAGNOSTICS) + " |")
+    return "\n".join(text) + "\n"
 
 
 def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: list[str]) -> None:

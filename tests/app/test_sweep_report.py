@@ -1,10 +1,14 @@
 """The lag sweep's statistics on hand-made results: intervals, paired bootstrap, collapses,
 the selection verdict and the markdown report."""
 
+import json
+
 import numpy as np
 import pytest
 
 from satjax.app import sweep_report as sr
+from satjax.app.lag_sweep import RunSpec
+from satjax.run_dir import RunDirs
 
 
 def test_mean_ci_is_the_student_t_interval():
@@ -79,3 +83,26 @@ def test_markdown_report_has_cells_drops_and_collapses():
     assert "| gspo | +0.300 [+0.300, +0.300] | — |" in text
     assert "| sat_gspo | +0.020 [+0.020, +0.020] | -0.280 [-0.280, -0.280] (separates) |" in text
     assert "| sat_gspo | 0/3 | 3/3 | 3 |" in text
+
+
+def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
+    def write(variant, lag, seed, rows):
+        path = RunDirs(RunSpec(variant, lag, seed).run_dir(tmp_path)).metrics
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"step": i + 1, **r}) + "\n"
+                                for i, r in enumerate(rows)))
+
+    write("gspo", 1, 0, [{"router_mismatch": 0.1}, {"router_mismatch": 0.3}])  # run mean 0.2
+    write("gspo", 1, 1, [{"router_mismatch": 0.4, "kl_k3": "nan-as-text"}])    # run mean 0.4
+    write("gspo", 4, 0, [{"router_mismatch": 9.0}])  # a middle lag: not in the table
+    write("gspo", 16, 0, [{"router_mismatch": 0.5, "kl_k3": 0.25}])
+    results = [{"variant": "gspo", "lag": lag, "seed": s}
+               for lag, s in ((1, 0), (1, 1), (4, 0), (16, 0))]
+    text = sr.diagnostics_markdown(results, tmp_path, [1, 4, 16])
+    rows = [line for line in text.splitlines() if line.startswith("| gspo")]
+    assert len(rows) == 2
+    lag1, lag16 = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
+    names = [name for name, _ in sr.DIAGNOSTICS]
+    assert lag1[1] == "1" and lag1[2 + names.index("router_mismatch")] == "0.300"
+    assert lag1[2 + names.index("kl_k3")] == "—"  # text values are not numbers
+    assert lag16[2 + names.index("kl_k3")] == "0.250"
