@@ -49,7 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gspo_r3": {"objective": "gspo", "replay": True, "sequence_level": True},
     "sat_grpo_r3": {"objective": "sat_ppo", "replay": True, "sequence_level": False},
     "sat_gspo_r3": {"objective": "sat_gspo", "replay": True, "sequence_level": True},
-    # the paper's strongest non-SAT row; its own thresholds (no ratio clip, so no --seq-eps)
+    # DPPO at its own thresholds (no ratio clip, so --seq-eps does not apply)
     "dppo_tv": {"objective": "dppo_tv", "replay": False, "sequence_level": False},
 }
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone

@@ -126,9 +126,10 @@ def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[i
                      f"{c['reward_peak']:.4f}", f"{c['reward_final']:.4f}", int(c["collapsed"])])
     lines = [",".join(CSV_COLUMNS)] + [",".join(str(x) for x in row) for row in rows]
     atomic_write(out / "results.csv", "\n".join(lines) + "\n")
+    metrics = run_metrics(results, out)  # read once: the diagnostics table and the plots
     atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k) + "\n"
-                 + diagnostics_markdown(results, out, lags))
-    _plots(results, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
+                 + diagnostics_markdown(results, metrics, lags))
+    _plots(results, metrics, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
 
 
 def results_markdown(results: list[dict[str, Any]], lags: list[int],
@@ -234,17 +235,27 @@ def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *
     return text
 
 
-def diagnostics_markdown(results: list[dict[str, Any]], out: Path, lags: list[int]) -> str:
+RunKey = tuple[str, int, int]  # (variant, lag, seed)
+
+
+def run_metrics(results: list[dict[str, Any]], out: Path) -> dict[RunKey, list[dict[str, Any]]]:
+    """Each run's per-step metrics rows (``logs/metrics.jsonl`` in its run directory)."""
+    keys = [(r["variant"], r["lag"], r["seed"]) for r in results]
+    return {key: _read_metrics(RunDirs(RunSpec(*key).run_dir(out)).metrics) for key in keys}
+
+
+def diagnostics_markdown(results: list[dict[str, Any]],
+                         metrics: dict[RunKey, list[dict[str, Any]]], lags: list[int]) -> str:
     """Per objective at the smallest and the largest lag, each :data:`DIAGNOSTICS` metric
-    averaged over a run's steps, then over its seeds (``—``: none of its runs logged it)."""
+    averaged over a run's steps (``metrics``: :func:`run_metrics`), then over its seeds
+    (``—``: none of its runs logged it)."""
     edge = sorted({min(lags), max(lags)})
     variants = list(dict.fromkeys(r["variant"] for r in results))
     means: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
         if r["lag"] not in edge:
             continue
-        rows = _read_metrics(RunDirs(RunSpec(r["variant"], r["lag"], r["seed"]).run_dir(out))
-                             .metrics)
+        rows = metrics[(r["variant"], r["lag"], r["seed"])]
         for name, _ in DIAGNOSTICS:
             xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
             if xs:
@@ -264,14 +275,14 @@ def diagnostics_markdown(results: list[dict[str, Any]], out: Path, lags: list[in
     return "\n".join(text) + "\n"
 
 
-def _plots(results: list[dict[str, Any]], out: Path, lags: list[int], variants: list[str]) -> None:
+def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, Any]]],
+           out: Path, lags: list[int], variants: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = {(r["variant"], r["lag"], r["seed"]): r for r in results}
-    metrics = {key: _read_metrics(RunDirs(RunSpec(*key).run_dir(out)).metrics) for key in runs}
 
     def series(key, name):
         rows = [m for m in metrics[key] if name in m and not isinstance(m[name], str)]

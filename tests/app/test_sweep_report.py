@@ -98,7 +98,7 @@ def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
     write("gspo", 16, 0, [{"router_mismatch": 0.5, "kl_k3": 0.25}])
     results = [{"variant": "gspo", "lag": lag, "seed": s}
                for lag, s in ((1, 0), (1, 1), (4, 0), (16, 0))]
-    text = sr.diagnostics_markdown(results, tmp_path, [1, 4, 16])
+    text = sr.diagnostics_markdown(results, sr.run_metrics(results, tmp_path), [1, 4, 16])
     rows = [line for line in text.splitlines() if line.startswith("| gspo")]
     assert len(rows) == 2
     lag1, lag16 = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
