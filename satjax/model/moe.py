@@ -10,31 +10,25 @@ ran (``experts_used``) in a :class:`RouteRecord`.
 Three dispatch implementations, all dropless (no capacity factor, no token is ever
 dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
 
-* ``"ragged"``: sort the N*k token-expert pairs by expert and run the three expert matmuls
-  with ``jax.lax.ragged_dot``; cost O(N*k) where the backend has a grouped-GEMM kernel
-  (GPU/TPU). Under a GSPMD mesh with expert weights sharded over an axis XLA all-gathers
-  the expert weights (correct, not EP-optimal).
-* ``"blocked"``: the same sort, but each expert's group is padded to a multiple of a block
-  size and the blocks run as one batched matmul against per-block gathered expert weights
-  (MegaBlocks-style, static shapes); cost O(N*k + E*block). XLA:CPU lowers ragged_dot
-  densely, so this is ~4x faster there.
-* ``"bucketed"``: the same sort into E per-expert buckets of one static capacity C, run as
-  one [E, C, D] batched matmul against the expert weights as stored (no per-block weight
-  gather, whose copies and per-block weight gradients dominate "blocked" on CPU). C is the
-  smallest of ``BUCKET_FACTORS`` x N*k/E (rounded up to 8) that holds the busiest expert,
-  picked at run time with ``lax.switch``; when none does the step falls back to "blocked",
-  so it stays dropless and exact; cost O(N*k*factor) in the common case.
-* ``"auto"`` (default): "blocked" on CPU, "ragged" elsewhere.
+* ``"grouped"``: sort the N*k token-expert pairs by expert, then run each expert's SwiGLU
+  on its own rows in chunks (``full`` rows while at least that many are left, then
+  ``full / 4``-row tail chunks) inside a loop over experts, against the expert weights as
+  stored: no weight copies, padding under one tail chunk per expert, cost O(N*k). The
+  loops have data-dependent trip counts, so the backward is written out (a custom VJP):
+  per-expert weight-gradient accumulation and gathers only, no scatter. XLA:CPU's GEMMs
+  are fast but it lowers ``ragged_dot`` densely, so this is the CPU path. Under a GSPMD
+  mesh the expert weights are all-gathered (correct, not EP-optimal).
+* ``"ragged"``: the same sort, the three expert matmuls as ``jax.lax.ragged_dot``; cost
+  O(N*k) where the backend has a grouped-GEMM kernel (GPU/TPU).
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
   (each device computes its experts, one all-reduce combines).
+* ``"auto"`` (default): "grouped" on CPU, "ragged" elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +39,7 @@ from satjax.model.layers import make_param
 from satjax.parallel import constrain
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "bucketed", "blocked", "ragged", "dense_einsum")
-# bucket capacities of "bucketed" as multiples of the mean expert load N*k/E: 1.25 holds a
-# near-balanced router, 2 and 3 skewed ones; past 3 the blocked fallback does less work
-BUCKET_FACTORS = (1.25, 2.0, 3.0)
+MOE_IMPLS = ("auto", "grouped", "ragged", "dense_einsum")
 
 
 @jax.tree_util.register_dataclass
@@ -104,124 +95,134 @@ def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
-def _block_size(m: int, num_experts: int) -> int:
-    """Power of two in [8, 128] near m / (4 E): padding waste stays <= ~25% + E blocks."""
-    target = max(m // (4 * num_experts), 1)
-    return int(min(max(1 << (target.bit_length() - 1), 8), 128))
+def _chunk_rows(m: int, num_experts: int) -> tuple[int, int]:
+    """Static (full, tail) chunk rows of "grouped" for m = N*k pairs over E experts: full
+    chunks a power of two in [16, 256] near the mean expert load, tail chunks a quarter of
+    that, so an expert's padding stays under a tail chunk."""
+    mean = max(m // num_experts, 1)
+    full = int(min(max(1 << (mean.bit_length() - 1), 16), 256))
+    return full, max(full // 4, 8)
 
 
-def blocked_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
-                    w_down: Array) -> Array:
-    """Dropless block-padded dispatch. x [N, D]; experts/weights [N, k] -> [N, D]."""
+def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry):
+    """Run ``body(e, lo, rows, carry)`` over each expert's sorted rows in chunks.
+
+    Expert e owns sorted rows ``[starts[e], starts[e] + sizes[e])``; they are covered by
+    ``sizes[e] // full`` chunks of ``full`` rows, then chunks of ``tail`` rows (the last one
+    may run past the expert's rows into later experts' rows or the zero padding). Experts go
+    in ascending order, so a row a chunk runs over is rewritten by its own expert's chunk
+    later; backward bodies mask the rows past ``starts[e] + sizes[e]`` themselves.
+    """
+    n_full = sizes // full
+    n_tail = -(-(sizes - n_full * full) // tail)
+
+    def expert(e, carry):
+        start = starts[e]
+        carry = jax.lax.fori_loop(
+            0, n_full[e], lambda c, cr: body(e, start + c * full, full, cr), carry)
+        rest = start + n_full[e] * full
+        return jax.lax.fori_loop(
+            0, n_tail[e], lambda c, cr: body(e, rest + c * tail, tail, cr), carry)
+
+    return jax.lax.fori_loop(0, starts.shape[0], expert, carry)
+
+
+def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
+    """Sorted rows, per-expert chunked SwiGLU, unsort and combine; the residuals of the
+    backward when ``save``."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
+    num_experts, d, f = w_gate.shape
     m = n * k
-    bk = _block_size(m, num_experts)
-    num_blocks = -(-m // bk) + num_experts  # static bound on sum_e ceil(size_e / bk)
+    full, tail = _chunk_rows(m, num_experts)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=num_experts)
-    padded = (sizes + bk - 1) // bk * bk
-    start, padded_start = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
-    dest = (padded_start[sorted_e] + jnp.arange(m) - start[sorted_e]).astype(jnp.int32)
-    slot = jnp.zeros((m,), jnp.int32).at[order].set(dest)  # padded row of each (token, j)
-    xs = jnp.zeros((num_blocks * bk, x.shape[1]), x.dtype).at[slot].set(
-        jnp.repeat(x, k, axis=0))
-    block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_blocks) * bk,
-                                    side="right")
-    block_expert = jnp.minimum(block_expert, num_experts - 1)  # unused tail blocks: zeros
-    xs = xs.reshape(num_blocks, bk, -1)
-    g = jnp.einsum("bcd,bdf->bcf", xs, w_gate[block_expert])
-    u = jnp.einsum("bcd,bdf->bcf", xs, w_up[block_expert])
-    y = jnp.einsum("bcf,bfd->bcd", jax.nn.silu(g) * u, w_down[block_expert])
-    y = y.reshape(num_blocks * bk, -1)[slot].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+    inverse = jnp.argsort(order)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    # zero padding of one full chunk: a chunk's window never reaches past the end (where
+    # dynamic_slice would clamp it back over real rows)
+    xs = jnp.concatenate([x[order // k], jnp.zeros((full, d), x.dtype)])
+    rows = xs.shape[0]
+
+    def body(e, lo, size, carry):
+        ys, gs, us = carry
+        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
+        g, u = xc @ w_gate[e], xc @ w_up[e]
+        ys = jax.lax.dynamic_update_slice_in_dim(ys, (jax.nn.silu(g) * u) @ w_down[e], lo, 0)
+        if save:
+            gs = jax.lax.dynamic_update_slice_in_dim(gs, g, lo, 0)
+            us = jax.lax.dynamic_update_slice_in_dim(us, u, lo, 0)
+        return ys, gs, us
+
+    hidden = (jnp.zeros((rows, f), x.dtype),) * 2 if save else (None, None)
+    ys, gs, us = _chunk_loop(starts, sizes, full, tail, body,
+                             (jnp.zeros((rows, d), x.dtype), *hidden))
+    y = ys[inverse].reshape(n, k, d)  # row of pair (token i, slot j) at i * k + j
+    out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+    return out, (xs, gs, us, y, order, inverse, sizes, starts)
 
 
-def _bucket_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
-                    w_down: Array, capacity: int) -> Array:
-    """Sorted dispatch into [E, capacity] buckets; requires every expert's load <= capacity."""
-    n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    m = n * k
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    sizes = jnp.bincount(flat, length=num_experts)
-    start = jnp.cumsum(sizes) - sizes
-    dest = (sorted_e * capacity + jnp.arange(m) - start[sorted_e]).astype(jnp.int32)
-    slot = jnp.zeros((m,), jnp.int32).at[order].set(dest)  # bucket row of each (token, j)
-    # each bucket row names its source token; empty rows read an appended zero row
-    src = jnp.full((num_experts * capacity,), n, jnp.int32).at[slot].set(
-        jnp.arange(m, dtype=jnp.int32) // k)
-    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src]
-    xs = xs.reshape(num_experts, capacity, -1)
-    g = jnp.einsum("ecd,edf->ecf", xs, w_gate)
-    u = jnp.einsum("ecd,edf->ecf", xs, w_up)
-    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(g) * u, w_down)
-    y = y.reshape(num_experts * capacity, -1)[slot].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
-
-
-def bucket_capacities(m: int, num_experts: int) -> tuple[int, ...]:
-    """Static capacities (multiples of 8) tried by "bucketed" for m = N*k pairs; the list
-    stops at the first one that holds all m (then no fallback is needed)."""
-    caps: list[int] = []
-    for f in BUCKET_FACTORS:
-        c = min(math.ceil(m * f / num_experts / 8) * 8, math.ceil(m / 8) * 8)
-        if not caps or c > caps[-1]:
-            caps.append(c)
-        if c >= m:
-            break
-    return tuple(caps)
-
-
-def _bucketed_branches(experts: Array, num_experts: int) -> tuple[Array, list]:
-    """The ``lax.switch`` index and branches of "bucketed" for routes [N, k]."""
-    n, k = experts.shape
-    caps = bucket_capacities(n * k, num_experts)
-    branches = [functools.partial(_bucket_experts, capacity=c) for c in caps]
-    if caps[-1] < n * k:
-        branches.append(blocked_experts)
-    busiest = jnp.max(jnp.bincount(experts.reshape(-1), length=num_experts))
-    return jnp.sum(busiest > jnp.asarray(caps, jnp.int32)).astype(jnp.int32), branches
-
-
-# A custom VJP because differentiating lax.switch makes every branch return the residuals
-# of all branches (zero-filled), which costs more than the matmuls; the backward instead
-# recomputes the taken branch's forward from the inputs (MoE-block rematerialisation).
+# A custom VJP because the chunk loops have data-dependent trip counts (while loops, which
+# reverse-mode autodiff cannot differentiate), and because writing the backward by hand
+# keeps every weight gradient a per-expert accumulation and every token gradient a gather
+# (autodiff of the gathers would scatter-add, slow on CPU).
 @jax.custom_vjp
-def bucketed_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
-                     w_down: Array) -> Array:
-    """Dropless bucketed dispatch (see module docstring). x [N, D]; experts [N, k] -> [N, D]."""
-    index, branches = _bucketed_branches(experts, w_gate.shape[0])
-    return jax.lax.switch(index, branches, x, experts, weights, w_gate, w_up, w_down)
+def grouped_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                    w_down: Array) -> Array:
+    """Dropless grouped dispatch (see module docstring). x [N, D]; experts/weights [N, k];
+    w_gate/w_up [E, D, F], w_down [E, F, D] -> [N, D]."""
+    return _grouped_forward(x, experts, weights, w_gate, w_up, w_down, save=False)[0]
 
 
-def _bucketed_fwd(x, experts, weights, w_gate, w_up, w_down):
-    out = bucketed_experts(x, experts, weights, w_gate, w_up, w_down)
-    return out, (x, experts, weights, w_gate, w_up, w_down)
+def _grouped_fwd(x, experts, weights, w_gate, w_up, w_down):
+    out, res = _grouped_forward(x, experts, weights, w_gate, w_up, w_down, save=True)
+    return out, (res, experts, weights, w_gate, w_up, w_down)
 
 
-def _bucketed_bwd(res, g):
-    x, experts, weights, w_gate, w_up, w_down = res
-    index, branches = _bucketed_branches(experts, w_gate.shape[0])
-
-    def grad_of(branch):
-        def f(x, weights, w_gate, w_up, w_down, g):
-            _, vjp = jax.vjp(lambda *a: branch(a[0], experts, *a[1:]), x, weights, w_gate,
-                             w_up, w_down)
-            return vjp(g)
-        return f
-
-    dx, dweights, dg, du, dd = jax.lax.switch(index, [grad_of(b) for b in branches], x,
-                                              weights, w_gate, w_up, w_down, g)
-    zero_experts = np.zeros(experts.shape, jax.dtypes.float0)
-    return dx, zero_experts, dweights, dg, du, dd
+def _accumulate(w: Array, e: Array, update: Array) -> Array:
+    """``w[e] += update`` as a dynamic-update-slice XLA does in place (``.at[e].add`` with
+    a traced index would lower to a scatter-add, several times slower on CPU)."""
+    current = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(w, current + update, e, 0)
 
 
-bucketed_experts.defvjp(_bucketed_fwd, _bucketed_bwd)
+def _grouped_bwd(saved, dout):
+    (xs, gs, us, y, order, inverse, sizes, starts), experts, weights, w_gate, w_up, w_down = saved
+    n, k = experts.shape
+    num_experts, d, f = w_gate.shape
+    full, tail = _chunk_rows(n * k, num_experts)
+    dweights = jnp.einsum("nkd,nd->nk", y, dout).astype(weights.dtype)
+    dy = (dout[:, None, :] * weights[:, :, None].astype(dout.dtype)).reshape(n * k, d)
+    dys = jnp.concatenate([dy[order], jnp.zeros((full, d), dy.dtype)])
+    ends = starts + sizes
+
+    def body(e, lo, size, carry):
+        dxs, dwg, dwu, dwd = carry
+        own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
+        dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
+        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
+        g = jax.lax.dynamic_slice_in_dim(gs, lo, size)
+        u = jax.lax.dynamic_slice_in_dim(us, lo, size)
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        da = dyc @ w_down[e].T
+        dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
+        du = da * silu
+        dwd = _accumulate(dwd, e, (silu * u).T @ dyc)
+        dwg = _accumulate(dwg, e, xc.T @ dg)
+        dwu = _accumulate(dwu, e, xc.T @ du)
+        dx = dg @ w_gate[e].T + du @ w_up[e].T
+        return jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0), dwg, dwu, dwd
+
+    dxs, dwg, dwu, dwd = _chunk_loop(
+        starts, sizes, full, tail, body,
+        (jnp.zeros_like(xs), jnp.zeros_like(w_gate), jnp.zeros_like(w_up),
+         jnp.zeros_like(w_down)))
+    dx = jnp.sum(dxs[inverse].reshape(n, k, d), axis=1)
+    return dx, np.zeros(experts.shape, jax.dtypes.float0), dweights, dwg, dwu, dwd
+
+
+grouped_experts.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def resolve_moe_impl(moe_impl: str) -> str:
@@ -229,7 +230,7 @@ def resolve_moe_impl(moe_impl: str) -> str:
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
     if moe_impl == "auto":
-        return "blocked" if jax.default_backend() == "cpu" else "ragged"
+        return "grouped" if jax.default_backend() == "cpu" else "ragged"
     return moe_impl
 
 
@@ -245,8 +246,7 @@ def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array
     return jnp.einsum("ned,ne->nd", y, combine)
 
 
-_IMPLS = {"ragged": ragged_experts, "blocked": blocked_experts,
-          "bucketed": bucketed_experts,
+_IMPLS = {"ragged": ragged_experts, "grouped": grouped_experts,
           "dense_einsum": dense_einsum_experts}
 
 

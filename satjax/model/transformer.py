@@ -90,7 +90,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
       rngs: initialisation RNGs (weights ~ N(0, initializer_range), norms = 1).
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
       param_dtype: storage dtype of the parameters.
-      moe_impl: "auto" | "bucketed" | "blocked" | "ragged" | "dense_einsum" dropless
+      moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" dropless
         dispatch (moe.py).
       scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
         layers (their parameters stacked per call) when all layers are alike (all MoE or all

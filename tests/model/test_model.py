@@ -10,10 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from satjax.model.moe import (
-    blocked_experts,
-    bucket_capacities,
-    bucketed_experts,
+    _chunk_rows,
     dense_einsum_experts,
+    grouped_experts,
     ragged_experts,
     route,
 )
@@ -118,41 +117,44 @@ def test_ragged_and_dense_dispatch_agree_with_loop_reference():
             ex = int(experts[i, j])
             g, u = xn[i] @ wgn[ex], xn[i] @ wun[ex]
             ref[i] += float(weights[i, j]) * ((g / (1 + np.exp(-g)) * u) @ wdn[ex])
-    for fn in (ragged_experts, blocked_experts, bucketed_experts, dense_einsum_experts):
+    for fn in (ragged_experts, grouped_experts, dense_einsum_experts):
         np.testing.assert_allclose(jax.jit(fn)(x, experts, weights, wg, wu, wd), ref, rtol=1e-5,
                                    atol=1e-5)
 
 
-def test_bucketed_every_branch_equals_blocked_with_gradients():
-    """Balanced, skewed and all-on-one-expert routes take different lax.switch branches
-    (bucket capacities, then the blocked fallback); values and gradients must match."""
-    n, d, f, e, k = 32, 8, 12, 4, 2
-    keys = jax.random.split(jax.random.key(3), 5)
+@pytest.mark.parametrize("routes", ["balanced", "skewed", "one_expert", "idle_experts"])
+def test_grouped_values_and_gradients_equal_autodiff_of_dense(routes):
+    """grouped's hand-written backward vs autodiff of the dense reference, on loads that
+    take full chunks, tail chunks, chunks running past an expert's rows into the next
+    expert's, and experts with no rows."""
+    n, d, f, e, k = 40, 8, 12, 4, 2
+    assert _chunk_rows(n * k, e) == (16, 8)  # mean load 20: one full chunk + a tail
+    keys = jax.random.split(jax.random.key(3), 6)
     x = jax.random.normal(keys[0], (n, d))
     wg, wu = (jax.random.normal(kk, (e, d, f)) for kk in keys[1:3])
     wd = jax.random.normal(keys[3], (e, f, d))
     weights = jax.nn.softmax(jax.random.normal(keys[4], (n, k)), axis=-1)
-    caps = bucket_capacities(n * k, e)
-    assert caps == (24, 32, 48)  # 1.25, 2 and 3 x the mean load 16, rounded up to 8
-    balanced = jnp.stack([jnp.arange(n) % e, (jnp.arange(n) + 1) % e], axis=1)
-    skewed = balanced.at[:, 0].set(jnp.where(jnp.arange(n) < 28, 0, 1))  # load 28 + 8
-    one = jnp.stack([jnp.zeros(n, jnp.int32), jnp.ones(n, jnp.int32)], axis=1).at[:, 1].set(
-        jnp.where(jnp.arange(n) < 30, 0, 1))  # expert 0 used twice by most: load 62 > 48
-    loss = lambda fn, ex: lambda *a: jnp.sum(fn(a[0], ex, *a[1:]) ** 2)  # noqa: E731
-    for ex in (balanced, skewed, one):
-        busiest = int(jnp.max(jnp.bincount(ex.reshape(-1), length=e)))
-        want = jax.value_and_grad(loss(blocked_experts, ex), argnums=range(5))(
-            x, weights, wg, wu, wd)
-        got = jax.jit(jax.value_and_grad(loss(bucketed_experts, ex), argnums=range(5)))(
-            x, weights, wg, wu, wd)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=f"load {busiest}")
+    cot = jax.random.normal(keys[5], (n, d))
+    token = jnp.arange(n)
+    ex = {"balanced": jnp.stack([token % e, (token + 1) % e], axis=1),
+          "skewed": jnp.stack([jnp.where(token < 37, 0, 1), (token % 3) + 1], axis=1),
+          "one_expert": jnp.stack([jnp.zeros(n, int), jnp.where(token < 3, 1, 0)], axis=1),
+          "idle_experts": jnp.stack([token % 2, jnp.full(n, 3)], axis=1)}[routes]
+    loads = np.bincount(np.asarray(ex).reshape(-1), minlength=e)
+    assert loads.sum() == n * k and (routes != "idle_experts" or loads[2] == 0)
+    loss = lambda fn: lambda *a: jnp.sum(fn(a[0], ex, *a[1:]) * cot)  # noqa: E731
+    want = jax.value_and_grad(loss(dense_einsum_experts), argnums=range(5))(
+        x, weights, wg, wu, wd)
+    got = jax.jit(jax.value_and_grad(loss(grouped_experts), argnums=range(5)))(
+        x, weights, wg, wu, wd)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=f"loads {loads}")
 
 
-@pytest.mark.parametrize("impl", ["blocked", "bucketed", "ragged", "dense_einsum"])
+@pytest.mark.parametrize("impl", ["grouped", "ragged", "dense_einsum"])
 def test_replay_own_routes_is_exact(cfg, model, impl):
-    assert model.layers[0].mlp.moe_impl == "blocked"  # "auto" on CPU
-    if impl != "blocked":
+    assert model.layers[0].mlp.moe_impl == "grouped"  # "auto" on CPU
+    if impl != "grouped":
         model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), moe_impl=impl)
     ids = _ids(cfg)
     mask = jnp.ones(ids.shape, jnp.int32).at[0, :4].set(0)
@@ -202,7 +204,7 @@ def _reference(impl):
 
 
 def test_replay_other_routes_changes_output_and_trains_router():
-    cfg, model, _, _, ids, mask, other, ((_, logits), grads) = _reference("blocked")
+    cfg, model, _, _, ids, mask, other, ((_, logits), grads) = _reference("grouped")
     own = _fwd(model, ids, mask, None)
     valid = np.asarray(mask, bool)
     differs = np.any(np.sort(own.router_topk, -1) != np.sort(other, -1), axis=(-1, -2))
@@ -218,16 +220,15 @@ def test_replay_other_routes_changes_output_and_trains_router():
         assert float(jnp.abs(g).max()) > 0.0, f"router of layer {li} got no gradient"
 
 
-@pytest.mark.parametrize("impl,axis_type", [("blocked", AxisType.Auto),
-                                            ("blocked", AxisType.Explicit),
-                                            ("bucketed", AxisType.Auto),
+@pytest.mark.parametrize("impl,axis_type", [("grouped", AxisType.Auto),
+                                            ("grouped", AxisType.Explicit),
                                             ("ragged", AxisType.Auto),
                                             ("dense_einsum", AxisType.Auto)])
 def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
-    """Sharded run of each impl vs the unsharded "blocked" reference (identical weights)."""
+    """Sharded run of each impl vs the unsharded "grouped" reference (identical weights)."""
     assert jax.device_count() == 8
     cfg, _, _, state, ids, mask, other, ((ref_loss, ref_logits), ref_grad) = _reference(
-        "blocked")
+        "grouped")
     graphdef = nnx.split(Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(2), moe_impl=impl))[0]
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(axis_type,) * 2)
     rules = {"experts": "expert"}
