@@ -95,8 +95,10 @@ class Attention(nnx.Module):
                  ) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, D]; mask: bool [B, T, S] (query may attend key slot).
 
-        Without a cache S == T. With a cache (k, v each [B, S, Hkv, Dh]) the new keys and
-        values are written at slots ``cache_index .. cache_index + T - 1`` first.
+        Without a cache S == T and the mask must be causal (key slot s > query t never
+        attended), as the model's full-sequence forward builds it. With a cache (k, v each
+        [B, S, Hkv, Dh]) the new keys and values are written at slots
+        ``cache_index .. cache_index + T - 1`` first.
         Returns ([B, T, D], updated cache or None).
         """
         q = jnp.einsum("btd,dhk->bthk", x, self._w(self.q_proj))
@@ -114,18 +116,43 @@ class Attention(nnx.Module):
             cache = (k, v)
             k, v = k.astype(self.dtype), v.astype(self.dtype)
         b, t = x.shape[:2]
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, t, self.num_kv_heads, groups, self.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
-        scores = scores * (self.head_dim ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        q = q.reshape(b, t, self.num_kv_heads, self.num_heads // self.num_kv_heads,
+                      self.head_dim)
+        if cache is None:
+            # Without a cache the mask is the model's causal one, so a block of queries
+            # never attends keys past its last query: skipping them saves ~3/8 of the score
+            # and value work at 4 blocks (the skipped probabilities are exactly 0).
+            size = t // causal_blocks(t)
+            out = jnp.concatenate([
+                _attend(q[:, lo:lo + size], k[:, :lo + size], v[:, :lo + size],
+                        mask[:, lo:lo + size, :lo + size], self.dtype)
+                for lo in range(0, t, size)], axis=1)
+        else:
+            out = _attend(q, k, v, mask, self.dtype)
         out = out.reshape(b, t, self.num_heads, self.head_dim)
         out = jnp.einsum("bthk,hkd->btd", out, self._w(self.o_proj))
         if self.use_bias:
             out = out + self._w(self.o_bias)
         return out, cache
+
+
+def causal_blocks(t: int) -> int:
+    """Query blocks of a causal full-sequence attention over t tokens: 4 while each block
+    keeps >= 64 queries (smaller ones run the score matmuls inefficiently), else fewer."""
+    for blocks in (4, 2):
+        if t % blocks == 0 and t // blocks >= 64:
+            return blocks
+    return 1
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, dtype: jnp.dtype) -> Array:
+    """Softmax attention of grouped queries q [B, T, Hkv, G, Dh] over k, v [B, S, Hkv, Dh]
+    with mask bool [B, T, S] -> [B, T, Hkv, G, Dh]; scores and softmax in float32."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
+    scores = scores * (q.shape[-1] ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
 class DenseMLP(nnx.Module):
