@@ -30,8 +30,11 @@ def token_logprobs(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Ar
     """
     tokens = jnp.asarray(tokens)
     out = model(tokens, attention_mask=attention_mask, routed_experts=routed_experts)
-    logp = jax.nn.log_softmax(out.logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    scaled = out.logits[:, :-1].astype(jnp.float32) / temperature
+    # the picked logit minus logsumexp, not a gather from log_softmax: the backward then
+    # never materialises the [B, T, V] log-softmax (measured 2-4x faster on CPU)
+    picked = (jnp.take_along_axis(scaled, tokens[:, 1:, None], axis=-1)[..., 0]
+              - jax.nn.logsumexp(scaled, axis=-1))
     lp = jnp.pad(picked, ((0, 0), (1, 0)))
     if attention_mask is not None:
         lp = lp * jnp.asarray(attention_mask).astype(lp.dtype)
