@@ -47,7 +47,12 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import matmul_peak_gflops, memory_bandwidth_gbs, print_versions  # noqa: E402
 
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_pretrained  # noqa: E402
+from satjax.model import (  # noqa: E402
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    save_pretrained,
+    token_logprobs,
+)
 from satjax.model.moe import MOE_IMPLS  # noqa: E402
 from satjax.model.sampling import generate  # noqa: E402
 
@@ -91,13 +96,12 @@ def satjax_step(model, ids: np.ndarray):
 
     @jax.jit
     def step(state, ids):
-        def loss(state):
-            logits = nnx.merge(graphdef, state)(ids[:, :-1]).logits
-            lp = jax.nn.log_softmax(logits)
-            return -jnp.mean(jnp.take_along_axis(lp, ids[:, 1:, None], -1))
+        def loss(state):  # the trainer's own log-prob function
+            lp, _ = token_logprobs(nnx.merge(graphdef, state), ids)
+            return -jnp.mean(lp[:, 1:])
         return jax.value_and_grad(loss)(state)
 
-    x = jnp.asarray(ids)
+    x = jnp.asarray(ids[:, :-1])
 
     def run() -> None:
         jax.block_until_ready(step(state, x))
@@ -112,12 +116,12 @@ def hf_step(path: str, ids: np.ndarray):
     model = transformers.Qwen3MoeForCausalLM.from_pretrained(
         path, attn_implementation="sdpa", dtype=torch.float32)
     model.train()
-    x = torch.from_numpy(ids.astype(np.int64))
+    x = torch.from_numpy(ids[:, :-1].astype(np.int64))
 
-    def step():
+    def step():  # the same T-token forward and T-1 next-token log-probs as satjax's
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=x[:, :-1])
-        lp = torch.log_softmax(out.logits, -1)
+        out = model(input_ids=x)
+        lp = torch.log_softmax(out.logits[:, :-1], -1)
         loss = -lp.gather(-1, x[:, 1:, None]).mean()
         loss.backward()
 
@@ -242,7 +246,7 @@ def bench_decode(case: BenchCase, new_tokens: int, bandwidth: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="bench,large", help=f"of {sorted(CASES)}")
-    parser.add_argument("--variants", default="blocked,bucketed,blocked+bf16,blocked+scan",
+    parser.add_argument("--variants", default="grouped,grouped+bf16,grouped+scan",
                         help="satjax variants to time, interleaved with HF: a moe_impl, "
                              "optionally +bf16 and/or +scan")
     parser.add_argument("--repeats", type=int, default=3)
