@@ -104,25 +104,29 @@ def _chunk_rows(m: int, num_experts: int) -> tuple[int, int]:
     return full, max(full // 4, 8)
 
 
-def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry):
-    """Run ``body(e, lo, rows, carry)`` over each expert's sorted rows in chunks.
+def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry,
+                local=None, flush=None):
+    """Run ``body(e, lo, rows, (carry, local))`` over each expert's sorted rows in chunks.
 
     Expert e owns sorted rows ``[starts[e], starts[e] + sizes[e])``; they are covered by
     ``sizes[e] // full`` chunks of ``full`` rows, then chunks of ``tail`` rows (the last one
     may run past the expert's rows into later experts' rows or the zero padding). Experts go
     in ascending order, so a row a chunk runs over is rewritten by its own expert's chunk
     later; backward bodies mask the rows past ``starts[e] + sizes[e]`` themselves.
+    ``local`` starts afresh for each expert and ``flush(e, carry, local)`` folds it into
+    the carry after the expert's last chunk (per-expert accumulators).
     """
     n_full = sizes // full
     n_tail = -(-(sizes - n_full * full) // tail)
 
     def expert(e, carry):
         start = starts[e]
-        carry = jax.lax.fori_loop(
-            0, n_full[e], lambda c, cr: body(e, start + c * full, full, cr), carry)
+        state = jax.lax.fori_loop(
+            0, n_full[e], lambda c, st: body(e, start + c * full, full, st), (carry, local))
         rest = start + n_full[e] * full
-        return jax.lax.fori_loop(
-            0, n_tail[e], lambda c, cr: body(e, rest + c * tail, tail, cr), carry)
+        carry, acc = jax.lax.fori_loop(
+            0, n_tail[e], lambda c, st: body(e, rest + c * tail, tail, st), state)
+        return carry if flush is None else flush(e, carry, acc)
 
     return jax.lax.fori_loop(0, starts.shape[0], expert, carry)
 
@@ -144,15 +148,15 @@ def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
     xs = jnp.concatenate([x[order // k], jnp.zeros((full, d), x.dtype)])
     rows = xs.shape[0]
 
-    def body(e, lo, size, carry):
-        ys, gs, us = carry
+    def body(e, lo, size, state):
+        (ys, gs, us), _ = state
         xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
         g, u = xc @ w_gate[e], xc @ w_up[e]
         ys = jax.lax.dynamic_update_slice_in_dim(ys, (jax.nn.silu(g) * u) @ w_down[e], lo, 0)
         if save:
             gs = jax.lax.dynamic_update_slice_in_dim(gs, g, lo, 0)
             us = jax.lax.dynamic_update_slice_in_dim(us, u, lo, 0)
-        return ys, gs, us
+        return (ys, gs, us), None
 
     hidden = (jnp.zeros((rows, f), x.dtype),) * 2 if save else (None, None)
     ys, gs, us = _chunk_loop(starts, sizes, full, tail, body,
@@ -179,13 +183,6 @@ def _grouped_fwd(x, experts, weights, w_gate, w_up, w_down):
     return out, (res, experts, weights, w_gate, w_up, w_down)
 
 
-def _accumulate(w: Array, e: Array, update: Array) -> Array:
-    """``w[e] += update`` as a dynamic-update-slice XLA does in place (``.at[e].add`` with
-    a traced index would lower to a scatter-add, several times slower on CPU)."""
-    current = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(w, current + update, e, 0)
-
-
 def _grouped_bwd(saved, dout):
     (xs, gs, us, y, order, inverse, sizes, starts), experts, weights, w_gate, w_up, w_down = saved
     n, k = experts.shape
@@ -196,8 +193,8 @@ def _grouped_bwd(saved, dout):
     dys = jnp.concatenate([dy[order], jnp.zeros((full, d), dy.dtype)])
     ends = starts + sizes
 
-    def body(e, lo, size, carry):
-        dxs, dwg, dwu, dwd = carry
+    def body(e, lo, size, state):
+        (dxs, grads), (dwg, dwu, dwd) = state
         own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
         dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
         xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
@@ -208,16 +205,20 @@ def _grouped_bwd(saved, dout):
         da = dyc @ w_down[e].T
         dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
         du = da * silu
-        dwd = _accumulate(dwd, e, (silu * u).T @ dyc)
-        dwg = _accumulate(dwg, e, xc.T @ dg)
-        dwu = _accumulate(dwu, e, xc.T @ du)
         dx = dg @ w_gate[e].T + du @ w_up[e].T
-        return jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0), dwg, dwu, dwd
+        dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0)
+        return (dxs, grads), (dwg + xc.T @ dg, dwu + xc.T @ du, dwd + (silu * u).T @ dyc)
 
-    dxs, dwg, dwu, dwd = _chunk_loop(
-        starts, sizes, full, tail, body,
-        (jnp.zeros_like(xs), jnp.zeros_like(w_gate), jnp.zeros_like(w_up),
-         jnp.zeros_like(w_down)))
+    def flush(e, carry, acc):  # each expert's weight gradient, written once
+        dxs, grads = carry
+        return dxs, tuple(jax.lax.dynamic_update_index_in_dim(w, a, e, 0)
+                          for w, a in zip(grads, acc, strict=True))
+
+    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
+    dxs, (dwg, dwu, dwd) = _chunk_loop(
+        starts, sizes, full, tail, body, (jnp.zeros_like(xs), zeros),
+        local=tuple(jnp.zeros(w.shape[1:], w.dtype) for w in (w_gate, w_up, w_down)),
+        flush=flush)
     dx = jnp.sum(dxs[inverse].reshape(n, k, d), axis=1)
     return dx, np.zeros(experts.shape, jax.dtypes.float0), dweights, dwg, dwu, dwd
 
