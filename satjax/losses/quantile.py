@@ -193,8 +193,11 @@ def _kth_smallest_select(keys: Array, k: Array) -> tuple[Array, Array]:
     below, above = counts[0], counts[nbins + 1]
     r = k - below  # rank of the k-th inside the bracket
     b, before = _rank_in_histogram(counts[1:nbins + 1], jnp.clip(r, 0, n))
-    bins = jnp.arange(nbins)
-    b_next = jnp.min(jnp.where((bins > b) & (counts[1:nbins + 1] > 0), bins, nbins - 1))
+    # In float32 (exact for bin numbers < 2^24): XLA:CPU vectorises a float min, not an
+    # int32 one (65536 bins: ~0.006 ms against ~0.03 ms).
+    bins = jnp.arange(nbins, dtype=jnp.float32)
+    b_next = jnp.min(jnp.where((bins > b) & (counts[1:nbins + 1] > 0), bins,
+                               nbins - 1)).astype(jnp.int32)
     last = k + 1 >= n  # no (k+1)-th: its key is unused
     hit = (r >= 0) & (k < n - above) & ((k + 1 < n - above) | last)
     readable = shift <= 32 - count_bits
