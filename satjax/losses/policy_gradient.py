@@ -232,15 +232,22 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
     else:
         # Binds under the SAT bounds but would not under the PPO/GSPO ones.
         newly = (binds_low & (ratio >= lo_ppo)) | (binds_high & (ratio <= hi_ppo))
+        uv = units_valid.astype(dt)
+        # The four SAT sums as one reduction of a stacked array: on XLA:CPU each separate
+        # reduction of a computed [B, T] array is its own pass plus a write (262k tokens:
+        # 0.6-0.8 ms for four, 0.3-0.45 ms stacked).
+        tail, n_newly, lo_sum, hi_sum = jnp.sum(jnp.stack([
+            (factor < 1.0).astype(dt) * uv, newly.astype(dt) * clip_w,
+            jnp.broadcast_to(1.0 - lo, ratio.shape) * uv,
+            jnp.broadcast_to(hi - 1.0, ratio.shape) * uv]), axis=tuple(range(1, ratio.ndim + 1)))
+        n_units = jnp.maximum(jnp.sum(uv), 1.0)
         aux.update(
-            sat_tail_frac=masked_mean((factor < 1.0).astype(dt), units_valid),
-            sat_newly_clipped_frac=clip_mean(newly),
+            sat_tail_frac=tail / n_units,
+            sat_newly_clipped_frac=n_newly / n_clip,
             sat_min_factor=(_masked_min(factor, units_valid, 1.0) if min_factor is None
                             else min_factor),
-            sat_mean_lo_radius=masked_mean(jnp.broadcast_to(1.0 - lo, ratio.shape),
-                                           units_valid),
-            sat_mean_hi_radius=masked_mean(jnp.broadcast_to(hi - 1.0, ratio.shape),
-                                           units_valid),
+            sat_mean_lo_radius=lo_sum / n_units,
+            sat_mean_hi_radius=hi_sum / n_units,
         )
     return {k: jax.lax.stop_gradient(aux[k]) for k in AUX_KEYS}
 

@@ -420,3 +420,41 @@ def test_dual_clip_caps_negative_advantage_tokens(make_batch, tok_eps, name):
     obj_loss, _ = objectives.make(name, clip_ratio_c=c, **kw)(
         lp, {"behavior_logprobs": mu, "advantages": a, "mask": mask})
     assert float(obj_loss) == float(loss)
+
+
+@pytest.mark.parametrize("name", ["sat_ppo", "sat_gspo_token"])
+def test_token_sat_on_a_large_batch_matches_a_sorted_gate(monkeypatch, tok_eps, seq_eps,
+                                                          name):
+    """64 x 1024 tokens, so the gate quantile takes the CPU selection path (the small test
+    batches use bisection): loss, gradient and metrics equal those with the gate from a
+    full sort, and the tail is the tokens with |d| above numpy's 0.9-quantile."""
+    import satjax.losses.sat as sat_module
+
+    rng = np.random.default_rng(7)
+    b, t = 64, 1024
+    mu = rng.normal(-1.0, 0.5, (b, t)).astype(np.float32)
+    lp = (mu + 0.05 * rng.standard_t(3, (b, t))).astype(np.float32)
+    mask = np.arange(t)[None, :] < rng.integers(t // 4, t + 1, b)[:, None]
+    adv = rng.normal(size=b).astype(np.float32)
+    fn, eps, kw = {"sat_ppo": (L.sat_ppo_loss, tok_eps, {}),
+                   "sat_gspo_token": (L.sat_gspo_loss, seq_eps, {"proxy": "token"})}[name]
+    args = tuple(jnp.asarray(x) for x in (lp, mu, adv, mask))
+
+    def run():  # a fresh jit of the loss body, so each run traces the gate it is given
+        body = fn.__wrapped__
+        return jax.jit(jax.value_and_grad(lambda x: body(x, *args[1:], **eps, **kw),
+                                          has_aux=True))(args[0])
+
+    (loss, aux), g = run()
+    real = sat_module.masked_quantile
+    monkeypatch.setattr(sat_module, "masked_quantile",
+                        lambda *a, **k: real(*a, **k, method="sort"))
+    (loss_s, aux_s), g_s = run()
+    np.testing.assert_allclose(float(loss), float(loss_s), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_s), rtol=1e-6, atol=1e-12)
+    for k in L.AUX_KEYS:
+        np.testing.assert_allclose(float(aux[k]), float(aux_s[k]), rtol=1e-6, err_msg=k)
+    if name == "sat_ppo":
+        a = np.abs(lp - mu)[mask]
+        tail = np.mean(a > np.quantile(a.astype(np.float64), 0.9))
+        np.testing.assert_allclose(float(aux["sat_tail_frac"]), tail, atol=1.5 / a.size)

@@ -94,3 +94,21 @@ def test_select_is_the_sort_at_every_rank_on_each_path(kind):
         got = np.asarray(_QUANTILE["select"](jnp.asarray(x), q, jnp.asarray(m)))
         ref = np.asarray(_QUANTILE["sort"](jnp.asarray(x), q, jnp.asarray(m)))
         assert got.tobytes() == ref.tobytes(), (kind, q)
+
+
+@pytest.mark.parametrize("n_valid", [0, 1, 2, 3, 17, 1000])
+@pytest.mark.parametrize("values", ["heavy", "equal"])
+def test_select_with_few_valid_entries_in_a_large_batch_is_the_sort(n_valid, values):
+    """2^16 entries (over auto's select threshold), few or none of them valid: the sample
+    sees mostly invalid (+inf) keys, so the bracket misses and the fallback answers."""
+    rng = np.random.default_rng(n_valid)
+    n = 1 << 16
+    x = (rng.standard_t(1, n) if values == "heavy" else np.full(n, 0.25)).astype(np.float32)
+    m = np.zeros(n, bool)
+    m[rng.permutation(n)[:n_valid]] = True
+    for q in (0.0, 0.5, 0.9, 1.0):
+        got = np.asarray(_QUANTILE["select"](jnp.asarray(x), q, jnp.asarray(m)))
+        ref = np.asarray(_QUANTILE["sort"](jnp.asarray(x), q, jnp.asarray(m)))
+        assert got.tobytes() == ref.tobytes(), (n_valid, values, q)
+        want = np.quantile(x[m].astype(np.float64), q) if n_valid else 0.0
+        np.testing.assert_allclose(got, want, rtol=1e-5)
