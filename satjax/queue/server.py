@@ -42,6 +42,7 @@ from satjax.queue.core import (
     QueueClosedError,
     QueueRequestError,
     QueueSettings,
+    StagedPut,
     TrajectoryQueue,
 )
 from satjax.queue.store import FSYNC_POLICIES, DataDirError, StorageError
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
-PUT_CHUNK_ITEMS = 64      # a Put stream is stored (and fsynced) in chunks of this many items
+PUT_CHUNK_ITEMS = 64      # a PutBatch is written in chunks of this many items
 PUT_CHUNK_BYTES = 32 << 20  # or of this many bytes
 MAX_WORKERS = 16
 MIN_TOKEN_CHARS = 16
@@ -127,35 +128,49 @@ class QueueService:
         # copies: a cached payload must not keep the whole request alive
         return [self.queue.parse(bytes(v)) for v in views]
 
-    def _put_items(self, items: Iterable[Parsed]) -> pb2.PutReply:
-        reply = pb2.PutReply()
+    def _put_items(self, items: Iterable[Parsed], chunk_items: int) -> pb2.PutReply:
+        """Writes ``items`` in chunks of ``chunk_items`` (or PUT_CHUNK_BYTES) as they come,
+        then replies once all of them are durable (the queue's ``stage`` / ``commit``):
+        under fsync="always" the disk flushes one chunk while the next is received."""
+        staged: list[tuple[int, StagedPut]] = []  # (index of the chunk's first item, stage)
         chunk: list[Parsed] = []
         chunk_start, chunk_bytes = 0, 0
-
-        def flush():
-            result = self.queue.put(chunk)
+        try:
+            for item in items:  # a stream's items are parsed as they arrive (deserializer)
+                chunk.append(item)
+                chunk_bytes += len(item.raw)
+                if len(chunk) >= chunk_items or chunk_bytes >= PUT_CHUNK_BYTES:
+                    staged.append((chunk_start, self.queue.stage(chunk)))
+                    chunk_start += len(chunk)
+                    chunk, chunk_bytes = [], 0
+            if chunk:
+                staged.append((chunk_start, self.queue.stage(chunk)))
+        finally:
+            # every written chunk is committed, also when the stream broke off: its items
+            # become deliverable (or are taken back) instead of staying half-stored
+            results, failure = [], None
+            for start, stage in staged:
+                try:
+                    results.append((start, self.queue.commit(stage)))
+                except StorageError as e:
+                    failure = failure or e
+            if failure is not None:
+                raise failure
+        reply = pb2.PutReply()
+        for start, result in results:
             reply.accepted_ids.extend(result.accepted)
             reply.duplicate_ids.extend(result.duplicates)
             for r in result.rejected:
-                reply.rejections.add(index=chunk_start + r.index, trajectory_id=r.trajectory_id,
+                reply.rejections.add(index=start + r.index, trajectory_id=r.trajectory_id,
                                      field=r.field, message=r.message)
-
-        for item in items:  # a stream's items are parsed as they arrive (the deserializer)
-            chunk.append(item)
-            chunk_bytes += len(item.raw)
-            if len(chunk) >= PUT_CHUNK_ITEMS or chunk_bytes >= PUT_CHUNK_BYTES:
-                flush()
-                chunk_start += len(chunk)
-                chunk, chunk_bytes = [], 0
-        if chunk:
-            flush()
         return reply
 
     def put(self, request_iterator: Iterable[Parsed], context) -> pb2.PutReply:
-        return self._put_items(request_iterator)
+        # each item is written as soon as it has arrived: its fsync overlaps the next
+        return self._put_items(request_iterator, chunk_items=1)
 
     def put_batch(self, items: list[Parsed], context) -> pb2.PutReply:
-        return self._put_items(items)
+        return self._put_items(items, chunk_items=PUT_CHUNK_ITEMS)
 
     def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:
         try:
