@@ -571,9 +571,10 @@ class TrajectoryQueue:
         for de-duplication and group checks at once but are neither acknowledged nor
         delivered before :meth:`commit`, which every stage must be passed to.
 
-        Split from ``commit`` so that the server writes each item of a Put stream as it
-        arrives and the disk flushes it while the next is still on the wire (group
-        commit, fsync="always"). Rejection indices are positions in ``items``.
+        Split from ``commit`` so that a put waits for the disk without the lock: puts of
+        other producers are written meanwhile and share the next fsync (group commit,
+        fsync="always"), and the server writes each chunk of a Put stream as it arrives.
+        Rejection indices are positions in ``items``.
         """
         result = PutResult([], [], [])
         with self._lock:

@@ -18,12 +18,12 @@ up to it are copied to ``quarantine/`` and skipped) or a torn tail after ``kill 
 (nothing intact follows: truncated away on open). Records are written before the Put that
 carried them replies; the fsync policy decides when they reach the disk (docs/queue.md).
 Under ``always`` a put waits (:meth:`SegmentLog.wait_durable`) for a group commit: one
-background thread fsyncs whatever has been written so far, so concurrent puts, and the
-items of one stream as they arrive, share fsyncs and the disk flushes while the next item
-is still on the wire. A failed write is rolled back (the segment is cut back to its last
-whole record) so that the log stays well-formed and the next append, once the disk has
-room, just works; under ``always`` a failed write or fsync cuts the log back to the last
-durable record and fails every put waiting above it.
+background thread fsyncs whatever has been written so far, so concurrent puts share
+fsyncs, and the disk flushes one chunk of a long Put stream while the next is received.
+A failed write is rolled back (the segment is cut back to its last whole record) so that
+the log stays well-formed and the next append, once the disk has room, just works; under
+``always`` a failed write or fsync cuts the log back to the last durable record and fails
+every put waiting above it.
 """
 
 from __future__ import annotations
