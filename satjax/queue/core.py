@@ -584,6 +584,9 @@ class TrajectoryQueue:
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
             seen: set[str] = set()
             to_store: list[tuple[bytes, TrajectoryView]] = []
+            # a duplicate of a staged item is acknowledged only once that item is durable
+            # (a retired id's record was consumed, so durable: 0)
+            durable_seq = 0
             for i, (raw, msg, bad) in enumerate(items):
                 if msg is None:
                     result.rejected.append(Rejection(i, "", UNDECODABLE.field,
@@ -593,6 +596,7 @@ class TrajectoryQueue:
                 if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
                     result.duplicates.append(tid)
                     result.accepted.append(tid)
+                    durable_seq = max(durable_seq, self._ids.get(tid, 0))
                     continue
                 if bad is None and trainer_v >= 0 and msg.policy_version > newest:
                     bad = Problem("policy_version", f"policy_version: must be <= {newest} "
@@ -620,9 +624,7 @@ class TrajectoryQueue:
                     self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
                     entries.append(self._index(seq0 + j, msg, loc, state=State.STAGED))
                     result.accepted.append(msg.trajectory_id)
-            # everything written so far: a duplicate of a staged item is acknowledged only
-            # once that item is durable
-            durable_seq = self._next_seq - 1
+                durable_seq = max(durable_seq, self._next_seq - 1)
         return StagedPut(result, entries, [raw for raw, _ in to_store], durable_seq)
 
     def commit(self, staged: StagedPut) -> PutResult:

@@ -200,3 +200,29 @@ def test_other_policies_acknowledge_without_waiting(tmp_path, make_traj, monkeyp
     finally:
         gate.gate.set()
         q.close()
+
+
+def test_duplicate_of_a_staged_item_waits_for_it_and_fails_with_it(
+        tmp_path, make_traj, monkeypatch):
+    fsync = GatedFsync(monkeypatch)
+    q = open_queue(tmp_path / "q")
+    try:
+        assert q.put([q.parse(encode(make_traj("a", "a")))]).accepted == ["a"]
+        fsync.hold()
+        fsync.fail = True
+        first, first_out = put_in_thread(q, [make_traj("b", "b")])
+        assert fsync.entered.wait(10)
+        retry, retry_out = put_in_thread(q, [make_traj("b", "b")])  # a producer's retry
+        retry.join(0.3)
+        assert retry.is_alive()  # "b" is not durable: the duplicate is not acknowledged
+        fsync.gate.set()
+        for thread, out in ((first, first_out), (retry, retry_out)):
+            thread.join(10)
+            assert isinstance(out[0], StorageError)
+        fsync.fail = False
+        # a put of durable duplicates only is not held up by the failed seqs
+        assert q.put([q.parse(encode(make_traj("a", "a")))]).duplicates == ["a"]
+        assert q.put([q.parse(encode(make_traj("b", "b")))]).accepted == ["b"]
+    finally:
+        fsync.gate.set()
+        q.close()
