@@ -137,6 +137,7 @@ class SegmentLog:
         self._durable_point: tuple[int, int, int] | None = None
         self._lost: list[tuple[int, int]] = []
         self._cuts = 0  # cut-backs so far: a flush that started before one proves nothing
+        self._committing = False  # the commit thread runs: waiting for it makes sense
         self._to_sync = threading.Condition(self._io_lock)  # the commit thread waits on it
         self._synced = threading.Condition(self._io_lock)   # waiting puts wait on it
         self._stop = threading.Event()
@@ -173,6 +174,7 @@ class SegmentLog:
             self._written_seq = self._durable_seq = self.last_seq
             self._durable_point = (seg.first_seq, seg.size, seg.last_seq)
         if self._syncer is not None:
+            self._committing = self.fsync == "always"
             self._syncer.start()
 
     def _record_at(self, buf: bytes | memoryview, pos: int, after: int
@@ -329,7 +331,7 @@ class SegmentLog:
                         f"of this put was stored, retry once the disk is healthy"))
                 if seq <= self._durable_seq:
                     return
-                if self._syncer is None or not self._syncer.is_alive():
+                if not self._committing:
                     raise StorageError(errno.EIO, f"data_dir {str(self.dir)!r}: the log is "
                                                   f"closed; this put was not acknowledged")
                 self._synced.wait()
@@ -381,6 +383,17 @@ class SegmentLog:
     def _commit_loop(self) -> None:
         """Group commit: fsyncs everything written so far, as long as anything is unsynced;
         puts written meanwhile wait for the next round, which covers them all."""
+        try:
+            self._commit_rounds()
+        except Exception:  # e.g. no descriptor left to dup: say so, once, loudly
+            log.exception("%s: the group-commit thread stopped; every put under "
+                          "fsync=always fails until the server restarts", self.dir)
+        finally:  # however it ends, no put may wait for it forever: they fail instead
+            with self._io_lock:
+                self._committing = False
+                self._synced.notify_all()
+
+    def _commit_rounds(self) -> None:
         while True:
             with self._io_lock:
                 while self._written_seq <= self._durable_seq and not self._stop.is_set():
@@ -401,11 +414,13 @@ class SegmentLog:
             finally:
                 os.close(fd)
             with self._io_lock:
+                if cuts != self._cuts:
+                    continue  # a cut-back meanwhile: what this round covered is gone anyway
                 if failure is not None:
                     log.error("%s: fsync failed, the puts waiting for it fail: %s", self.dir,
                               failure)
                     self._cut_to_durable()
-                elif cuts == self._cuts and target > self._durable_seq:
+                elif target > self._durable_seq:
                     self._durable_seq, self._durable_point = target, point
                     self._synced.notify_all()
 
@@ -480,8 +495,6 @@ class SegmentLog:
             self._to_sync.notify()
         if self._syncer is not None and self._syncer.is_alive():
             self._syncer.join()  # the commit thread first flushes what puts wait for
-        with self._io_lock:
-            self._synced.notify_all()  # a put still waiting fails: it was not acknowledged
         if self._deleter is not None:
             self._doomed.put(None)
             self._deleter.join()

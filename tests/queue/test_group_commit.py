@@ -226,3 +226,23 @@ def test_duplicate_of_a_staged_item_waits_for_it_and_fails_with_it(
     finally:
         fsync.gate.set()
         q.close()
+
+
+def test_waiting_puts_fail_instead_of_hanging_when_the_commit_thread_dies(
+        tmp_path, make_traj, monkeypatch):
+    q = open_queue(tmp_path / "q")
+    real_dup = os.dup
+
+    def dup(fd):
+        if threading.current_thread().name == "queue-fsync":
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_dup(fd)
+
+    monkeypatch.setattr(os, "dup", dup)
+    try:
+        thread, out = put_in_thread(q, [make_traj("a", "a")])
+        thread.join(10)
+        assert not thread.is_alive() and isinstance(out[0], StorageError)
+        assert ids(q.get_batch(1, 0, max_lag=10)) == []  # never acknowledged, not delivered
+    finally:
+        q.close()
