@@ -136,6 +136,17 @@ UNDECODABLE = Problem("trajectory", "trajectory: not a valid Trajectory message"
 
 
 @dataclasses.dataclass(frozen=True)
+class StagedPut:
+    """A put written to the log (:meth:`TrajectoryQueue.stage`), not yet acknowledged:
+    :meth:`TrajectoryQueue.commit` waits until it is durable and makes it deliverable."""
+
+    result: PutResult
+    entries: list[Entry]
+    payloads: list[bytes]
+    durable_seq: int  # acknowledged once every record up to this one is durable
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchResult:
     """A GetBatch answer as stored record bytes (the server splices them into the reply)."""
 
@@ -146,6 +157,7 @@ class BatchResult:
 
 
 class State(enum.Enum):
+    STAGED = 2     # written, not yet durable: counts in its group, is not delivered
     PENDING = 0
     DELIVERED = 1
 
@@ -226,6 +238,14 @@ class GroupIndex:
                                                       msg.prompt_id)
         group.members.append(entry)
         group.nbytes += reply_bytes(entry.loc.length)
+
+    def remove(self, entry: Entry) -> None:
+        """Takes back a member that was never stored (its write failed)."""
+        group = self.groups[entry.group_id]
+        group.members.remove(entry)
+        group.nbytes -= reply_bytes(entry.loc.length)
+        if not group.members:
+            del self.groups[entry.group_id]
 
     def discard_if_consumed(self, group_id: str, live: Container[int]) -> None:
         """Forgets ``group_id`` once none of its members' seqs is in ``live``."""
@@ -457,12 +477,11 @@ class TrajectoryQueue:
 
     # -- helpers (lock held) ----------------------------------------------------------------
     def _index(self, seq: int, msg: TrajectoryView, loc: Location,
-               payload: bytes | None = None) -> None:
-        entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc)
+               state: State = State.PENDING) -> Entry:
+        entry = Entry(seq, msg.trajectory_id, msg.group_id, msg.policy_version, loc, state)
         self._entries[seq] = entry
-        if payload is not None:
-            self._cache.add(entry, payload)
         self._groups.add(entry, msg)
+        return entry
 
     def _consume(self, entries: list[Entry]) -> None:
         for e in entries:
@@ -545,6 +564,18 @@ class TrajectoryQueue:
 
         Rejection indices are positions in ``items``.
         """
+        return self.commit(self.stage(items))
+
+    def stage(self, items: list[Parsed]) -> StagedPut:
+        """Checks ``items`` and writes the valid ones to the log in one write; they count
+        for de-duplication and group checks at once but are neither acknowledged nor
+        delivered before :meth:`commit`, which every stage must be passed to.
+
+        Split from ``commit`` so that a put waits for the disk without the lock: puts of
+        other producers are written meanwhile and share the next fsync (group commit,
+        fsync="always"), and the server writes each chunk of a Put stream as it arrives.
+        Rejection indices are positions in ``items``.
+        """
         result = PutResult([], [], [])
         with self._lock:
             self._check_open()
@@ -553,6 +584,9 @@ class TrajectoryQueue:
             staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
             seen: set[str] = set()
             to_store: list[tuple[bytes, TrajectoryView]] = []
+            # a duplicate of a staged item is acknowledged only once that item is durable
+            # (a retired id's record was consumed, so durable: 0)
+            durable_seq = 0
             for i, (raw, msg, bad) in enumerate(items):
                 if msg is None:
                     result.rejected.append(Rejection(i, "", UNDECODABLE.field,
@@ -562,6 +596,7 @@ class TrajectoryQueue:
                 if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
                     result.duplicates.append(tid)
                     result.accepted.append(tid)
+                    durable_seq = max(durable_seq, self._ids.get(tid, 0))
                     continue
                 if bad is None and trainer_v >= 0 and msg.policy_version > newest:
                     bad = Problem("policy_version", f"policy_version: must be <= {newest} "
@@ -578,17 +613,47 @@ class TrajectoryQueue:
                 mine[2] += 1
                 mine[3] += reply_bytes(len(raw))
                 to_store.append((raw, msg))
+            entries = []
             if to_store:
                 seq0 = self._next_seq
-                locs = self._log.append(seq0, [raw for raw, _ in to_store])
+                # a failed write's seqs are not reused either (the log refuses them)
                 self._next_seq += len(to_store)
-                for j, ((payload, msg), loc) in enumerate(zip(to_store, locs, strict=True)):
+                locs = self._log.append(seq0, [raw for raw, _ in to_store])
+                for j, ((_, msg), loc) in enumerate(zip(to_store, locs, strict=True)):
                     self._ids[msg.trajectory_id] = seq0 + j
                     self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
-                    self._index(seq0 + j, msg, loc, payload)
+                    entries.append(self._index(seq0 + j, msg, loc, state=State.STAGED))
                     result.accepted.append(msg.trajectory_id)
+                durable_seq = max(durable_seq, self._next_seq - 1)
+        return StagedPut(result, entries, [raw for raw, _ in to_store], durable_seq)
+
+    def commit(self, staged: StagedPut) -> PutResult:
+        """Waits until ``staged`` is durable (per the fsync policy), then makes its items
+        deliverable and returns the put's result. :class:`StorageError` when the write
+        was cut from the log instead: nothing of the put is kept."""
+        try:
+            self._log.wait_durable(staged.durable_seq)
+        except StorageError:
+            with self._lock:
+                for e in staged.entries:
+                    self._entries.pop(e.seq, None)
+                    if self._ids.get(e.trajectory_id) == e.seq:
+                        del self._ids[e.trajectory_id]
+                    seg_ids = self._seg_ids.get(e.loc.segment, [])
+                    if e.trajectory_id in seg_ids:
+                        seg_ids.remove(e.trajectory_id)
+                    if not seg_ids:
+                        self._seg_ids.pop(e.loc.segment, None)
+                    self._groups.remove(e)
+            raise
+        result = staged.result
+        with self._lock:
+            for e, payload in zip(staged.entries, staged.payloads, strict=True):
+                e.state = State.PENDING
+                self._cache.add(e, payload)
+            if staged.entries:
                 self._cond.notify_all()
-            self.counters["accepted_total"] += len(to_store)
+            self.counters["accepted_total"] += len(staged.entries)
             self.counters["duplicates_total"] += len(result.duplicates)
             self.counters["rejected_total"] += len(result.rejected)
         return result
@@ -680,11 +745,12 @@ class TrajectoryQueue:
         """StatsReply fields."""
         with self._lock:
             pending = len(self._pending())
+            delivered = sum(1 for e in self._entries.values() if e.state is State.DELIVERED)
             totals = ("accepted_total", "duplicates_total", "rejected_total", "acked_total",
                       "dropped_stale_total", "quarantined_total")
             return {
                 "pending": pending,
-                "delivered_unacked": len(self._entries) - pending,
+                "delivered_unacked": delivered,
                 **{name: self.counters[name] for name in totals},
                 "trainer_version": self._consumer.trainer_version,
                 "max_lag": self._current_max_lag(),

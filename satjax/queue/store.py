@@ -16,9 +16,14 @@ Layout of ``data_dir``::
 not verify is either damage in the middle of a segment (an intact record follows: the bytes
 up to it are copied to ``quarantine/`` and skipped) or a torn tail after ``kill -9``
 (nothing intact follows: truncated away on open). Records are written before the Put that
-carried them replies; the fsync policy decides when they reach the disk (docs/queue.md). A
-failed write is rolled back (the segment is cut back to its last whole record) so that the
-log stays well-formed and the next append, once the disk has room, just works.
+carried them replies; the fsync policy decides when they reach the disk (docs/queue.md).
+Under ``always`` a put waits (:meth:`SegmentLog.wait_durable`) for a group commit: one
+background thread fsyncs whatever has been written so far, so concurrent puts share
+fsyncs, and the disk flushes one chunk of a long Put stream while the next is received.
+A failed write is rolled back (the segment is cut back to its last whole record) so that
+the log stays well-formed and the next append, once the disk has room, just works; under
+``always`` a failed write or fsync cuts the log back to the last durable record and fails
+every put waiting above it.
 """
 
 from __future__ import annotations
@@ -104,7 +109,8 @@ def _record_crc(seq: int, payload: bytes) -> int:
 
 
 class SegmentLog:
-    """Append-only, CRC-checked, rolled segment files. Not thread-safe: callers lock."""
+    """Append-only, CRC-checked, rolled segment files. Callers serialise appends and reads
+    (one lock); ``wait_durable`` may be called from any thread."""
 
     def __init__(self, data_dir: Path, *, segment_bytes: int = 64 << 20,
                  fsync: str = "always", batch_interval_s: float = 0.05):
@@ -122,7 +128,18 @@ class SegmentLog:
         self._write_seg: int | None = None  # first_seq of the segment _write_fd appends to
         self._cut_pending = False         # a failed write left bytes past the last record
         self._dirty = False
-        self._io_lock = threading.Lock()  # guards the write descriptor and _dirty
+        self._io_lock = threading.Lock()  # guards the write descriptor and the fields below
+        # group commit (fsync="always"): records <= _durable_seq are on the disk unless a
+        # failure cut them (_lost: (after, upto] seq ranges, whose waiters fail; seqs are
+        # never reused); cutting the log back to _durable_point (segment, size, last_seq)
+        # loses nothing acknowledged
+        self._written_seq = self._durable_seq = 0
+        self._durable_point: tuple[int, int, int] | None = None
+        self._lost: list[tuple[int, int]] = []
+        self._cuts = 0  # cut-backs so far: a flush that started before one proves nothing
+        self._committing = False  # the commit thread runs: waiting for it makes sense
+        self._to_sync = threading.Condition(self._io_lock)  # the commit thread waits on it
+        self._synced = threading.Condition(self._io_lock)   # waiting puts wait on it
         self._stop = threading.Event()
         self._syncer: threading.Thread | None = None
         self._doomed: queue.SimpleQueue[list[Path] | None] = queue.SimpleQueue()
@@ -130,6 +147,9 @@ class SegmentLog:
         if fsync == "batch":
             self._syncer = threading.Thread(target=self._sync_loop, args=(batch_interval_s,),
                                             name="queue-fsync", daemon=True)
+        elif fsync == "always":
+            self._syncer = threading.Thread(target=self._commit_loop, name="queue-fsync",
+                                            daemon=True)
 
     # -- opening and replay ---------------------------------------------------------------
     def replay(self) -> Iterator[tuple[int, Location, bytes]]:
@@ -149,7 +169,12 @@ class SegmentLog:
                 yield record
         if self.segments:
             self._open_for_append(max(self.segments))
+            seg = self.segments[max(self.segments)]
+            # replayed records are on the disk (a truncated tail was fsynced)
+            self._written_seq = self._durable_seq = self.last_seq
+            self._durable_point = (seg.first_seq, seg.size, seg.last_seq)
         if self._syncer is not None:
+            self._committing = self.fsync == "always"
             self._syncer.start()
 
     def _record_at(self, buf: bytes | memoryview, pos: int, after: int
@@ -231,9 +256,15 @@ class SegmentLog:
         """Writes records ``first_seq, first_seq+1, ...``; durable per the fsync policy.
 
         One ``writev`` per segment touched (headers and payloads as they are, no joined
-        copy) and, with ``fsync="always"``, one fsync. All or nothing: on a failed write
-        (:class:`StorageError`) nothing of it is kept.
+        copy). All or nothing: on a failed write (:class:`StorageError`) nothing of it is
+        kept (under ``always``, nothing that was not durable yet: see :meth:`wait_durable`).
+        With ``fsync="always"`` the records are not durable on return: acknowledge them
+        only once ``wait_durable`` of the last one has returned.
         """
+        if payloads and first_seq <= self._written_seq:
+            # a seq of a failed write may still be awaited (and must fail): never reuse one
+            raise ValueError(f"first_seq: must be > {self._written_seq} (written before), "
+                             f"got {first_seq!r}")
         for payload in payloads:
             if len(payload) >= MAX_RECORD_BYTES:
                 raise ValueError(f"payload: must be < {MAX_RECORD_BYTES} bytes, "
@@ -266,15 +297,58 @@ class SegmentLog:
                 if buffers:
                     assert self._write_fd is not None
                     writev_all(self._write_fd, buffers)
-                if self.fsync == "always" and self._write_fd is not None:
-                    os.fsync(self._write_fd)
             except OSError as e:
-                self._roll_back(active, before)
+                if self.fsync == "always":
+                    # a failed roll's fsync leaves earlier, unsynced records of other puts
+                    # behind too: cut back to what is known durable and fail their waiters
+                    self._written_seq = max(self._written_seq, first_seq + len(payloads) - 1)
+                    self._cut_to_durable()
+                else:
+                    self._roll_back(active, before)
                 raise StorageError(e.errno or errno.EIO, (
                     f"data_dir {str(self.dir)!r}: write failed ({e.strerror or e}); nothing of "
                     f"this put was stored, retry once the disk has room")) from e
             self._dirty = True
+            if payloads:
+                self._written_seq = first_seq + len(payloads) - 1
+                self._to_sync.notify()
         return locations
+
+    def wait_durable(self, seq: int) -> None:
+        """Returns once record ``seq`` and every record before it are on the disk (at once
+        unless ``fsync="always"``).
+
+        :class:`StorageError` when a failed write or fsync cut ``seq`` from the log: the
+        put that wrote it was not stored and must fail (its producer retries).
+        """
+        if self.fsync != "always":
+            return
+        with self._io_lock:
+            while True:
+                if any(after < seq <= upto for after, upto in self._lost):
+                    raise StorageError(errno.EIO, (
+                        f"data_dir {str(self.dir)!r}: flushing to the disk failed; nothing "
+                        f"of this put was stored, retry once the disk is healthy"))
+                if seq <= self._durable_seq:
+                    return
+                if not self._committing:
+                    raise StorageError(errno.EIO, f"data_dir {str(self.dir)!r}: the log is "
+                                                  f"closed; this put was not acknowledged")
+                self._synced.wait()
+
+    def _cut_to_durable(self) -> None:
+        """Cuts the log back to its last durable record (lock held) and records the seqs
+        above it as lost, so that every put waiting for one of them fails."""
+        if self._written_seq > self._durable_seq:
+            self._lost.append((self._durable_seq, self._written_seq))
+            self._durable_seq = self._written_seq  # each seq up to here: durable or lost
+        self._cuts += 1
+        point = self._durable_point
+        if point is not None and point[0] in self.segments:
+            self._roll_back(point[0], point[1:])
+        else:  # nothing durable yet, or its segment was consumed and deleted since
+            self._roll_back(point[0] if point else None, None)
+        self._synced.notify_all()
 
     def _roll_back(self, active: int | None, before: tuple[int, int] | None) -> None:
         """Forgets segments created by a failed append and cuts the old active one back."""
@@ -305,6 +379,50 @@ class SegmentLog:
         if self.fsync != "never":
             os.fsync(self._write_fd)
         self._cut_pending = False
+
+    def _commit_loop(self) -> None:
+        """Group commit: fsyncs everything written so far, as long as anything is unsynced;
+        puts written meanwhile wait for the next round, which covers them all."""
+        try:
+            self._commit_rounds()
+        except Exception:  # e.g. no descriptor left to dup: say so, once, loudly
+            log.exception("%s: the group-commit thread stopped; every put under "
+                          "fsync=always fails until the server restarts", self.dir)
+        finally:  # however it ends, no put may wait for it forever: they fail instead
+            with self._io_lock:
+                self._committing = False
+                self._synced.notify_all()
+
+    def _commit_rounds(self) -> None:
+        while True:
+            with self._io_lock:
+                while self._written_seq <= self._durable_seq and not self._stop.is_set():
+                    self._to_sync.wait()
+                if self._written_seq <= self._durable_seq:
+                    return  # stopped, and nothing is waiting
+                # fsync a duplicate outside the lock (appends go on; a roll fsyncs and
+                # closes the original, so the records before it are durable anyway)
+                assert self._write_fd is not None and self._write_seg is not None
+                seg = self.segments[self._write_seg]
+                target, point = self._written_seq, (seg.first_seq, seg.size, seg.last_seq)
+                cuts, fd = self._cuts, os.dup(self._write_fd)
+            try:
+                os.fsync(fd)
+                failure = None
+            except OSError as e:
+                failure = e
+            finally:
+                os.close(fd)
+            with self._io_lock:
+                if cuts != self._cuts:
+                    continue  # a cut-back meanwhile: what this round covered is gone anyway
+                if failure is not None:
+                    log.error("%s: fsync failed, the puts waiting for it fail: %s", self.dir,
+                              failure)
+                    self._cut_to_durable()
+                elif target > self._durable_seq:
+                    self._durable_seq, self._durable_point = target, point
+                    self._synced.notify_all()
 
     def _sync_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -372,9 +490,11 @@ class SegmentLog:
         return sum(s.size for s in self.segments.values())
 
     def close(self) -> None:
-        self._stop.set()
+        with self._io_lock:
+            self._stop.set()
+            self._to_sync.notify()
         if self._syncer is not None and self._syncer.is_alive():
-            self._syncer.join()
+            self._syncer.join()  # the commit thread first flushes what puts wait for
         if self._deleter is not None:
             self._doomed.put(None)
             self._deleter.join()
