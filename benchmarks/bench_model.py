@@ -17,7 +17,7 @@ Model FLOPs per training step (counted analytically, matmuls only; x3 for fwd+bw
 The causal mask halves the useful score/value work, but both implementations compute the
 full T x T product, so it is counted in full. Variants (``--variants``: a ``moe_impl``
 dispatch, optionally ``+bf16`` for bfloat16 compute over the same fp32 parameters and
-``+scan`` for ``scan_layers``, e.g. ``blocked+bf16+scan``) and HF run interleaved, one
+``+scan`` for ``scan_layers``, e.g. ``grouped+bf16+scan``) and HF run interleaved, one
 step each per round, and the median over rounds is reported, because the machine is
 shared (each after an untimed call, see ``interleaved_median_s``). HF runs in a child
 process (``HfProcess``) with ``torch.set_num_threads`` = the CPUs XLA uses.
