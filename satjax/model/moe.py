@@ -16,14 +16,17 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
   stored: no weight copies, padding under one tail chunk per expert, cost O(N*k). The
   loops have data-dependent trip counts, so the backward is written out (a custom VJP):
   per-expert weight-gradient accumulation and gathers only, no scatter. XLA:CPU's GEMMs
-  are fast but it lowers ``ragged_dot`` densely, so this is the CPU path. Under a GSPMD
-  mesh the expert weights are all-gathered (correct, not EP-optimal).
+  are fast but it lowers ``ragged_dot`` densely, so this is the CPU path.
 * ``"ragged"``: the same sort, the three expert matmuls as ``jax.lax.ragged_dot``; cost
   O(N*k) where the backend has a grouped-GEMM kernel (GPU/TPU).
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
   (each device computes its experts, one all-reduce combines).
 * ``"auto"`` (default): "grouped" on CPU, "ragged" elsewhere.
+
+Under a mesh, "grouped" and "ragged" run per batch shard (:func:`per_batch_shard`: each
+device sorts and dispatches its own tokens) against all-gathered expert weights (correct,
+not EP-optimal).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from satjax.model.layers import make_param
-from satjax.parallel import constrain
+from satjax.parallel import constrain, logical_to_spec
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "grouped", "ragged", "dense_einsum")
@@ -251,6 +254,30 @@ _IMPLS = {"ragged": ragged_experts, "grouped": grouped_experts,
           "dense_einsum": dense_einsum_experts}
 
 
+def per_batch_shard(fn, num_tokens: int):
+    """``fn`` (a sorted dispatch) run by each batch shard on its own tokens under the
+    current mesh, the expert weights replicated; ``fn`` itself without a mesh.
+
+    A dispatch sorts all its tokens by expert: under GSPMD that sort is global, so every
+    device would gather every token and run the whole batch's experts. Per shard, each
+    device sorts and runs only its tokens, and the weight gradients are summed over the
+    shards (shard_map's transpose of a replicated input).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return fn
+    spec = logical_to_spec(("batch", None), (num_tokens, 1), mesh)
+    rows = spec[0] if len(spec) else None  # a spec may leave trailing dims out
+    if rows is None:
+        return fn
+    axes = rows if isinstance(rows, tuple) else (rows,)
+    tok, rep = jax.sharding.PartitionSpec(rows, None), jax.sharding.PartitionSpec()
+    # manual over the batch axes only (other axes stay with GSPMD); check_vma=False because
+    # the dispatch's loop carries start as replicated zeros and become per-shard values
+    return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, rep, rep, rep),
+                         out_specs=tok, axis_names=set(axes), check_vma=False)
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts stored stacked: gate/up [E, D, F], down [E, F, D]."""
 
@@ -294,8 +321,10 @@ class SparseMoeBlock(nnx.Module):
         keep = ("experts", None, None) if self.moe_impl == "dense_einsum" else (None,) * 3
         ws = [constrain(p[...].astype(self.dtype), keep) for p in
               (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
-        out = constrain(_IMPLS[self.moe_impl](flat, rec.experts_used, weights, *ws),
-                        ("batch", None))
+        dispatch = _IMPLS[self.moe_impl]
+        if self.moe_impl != "dense_einsum":
+            dispatch = per_batch_shard(dispatch, b * t)
+        out = constrain(dispatch(flat, rec.experts_used, weights, *ws), ("batch", None))
         rec = RouteRecord(router_logits=logits, router_topk=rec.router_topk,
                           experts_used=rec.experts_used, weights=weights)
         return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

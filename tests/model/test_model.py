@@ -271,3 +271,24 @@ def test_scan_layers_equals_unrolled():
     for x, y in zip(jax.tree.leaves(nnx.grad(loss)(unrolled)),
                     jax.tree.leaves(nnx.grad(loss)(scanned)), strict=True):
         np.testing.assert_allclose(y, x, atol=1e-6)
+
+
+def test_grouped_dispatch_runs_per_batch_shard_under_a_data_mesh():
+    """Under a data-parallel mesh each device sorts and runs only its own tokens: the
+    compiled expert loops carry the local rows, not the whole batch's (a global sort
+    would make every device gather every token and run all of them)."""
+    cfg = Qwen3MoeConfig.tiny(num_hidden_layers=1)
+    graphdef, state = nnx.split(Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    ids = jax.device_put(jnp.ones((8, 32), jnp.int32), NamedSharding(mesh, P("data")))
+
+    def loss(state, ids):
+        return jnp.mean(nnx.merge(graphdef, state)(ids).logits)
+
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(jax.grad(loss)).lower(state, ids).compile().as_text()
+    k, d = cfg.num_experts_per_tok, cfg.hidden_size
+    full, _ = _chunk_rows(32 * k, cfg.num_experts)  # one device: 32 tokens
+    loops = [line for line in hlo.splitlines() if " while(" in line]
+    assert loops and all(f"f32[{8 * 32 * k + full}," not in line for line in loops)
+    assert any(f"f32[{32 * k + full},{d}]" in line for line in loops)
