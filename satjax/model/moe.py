@@ -81,15 +81,21 @@ def route(router_logits: Array, k: int, norm_topk_prob: bool,
                        weights=weights)
 
 
+def _sort_pairs(experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """The N*k (token, slot) pairs of routes [N, k] sorted by expert (stable): ``order``
+    (the pair i * k + j at each sorted row), ``inverse`` (the sorted row of each pair) and
+    the int32 per-expert ``sizes``, whose rows are contiguous in that order."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, jnp.argsort(order), sizes
+
+
 def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
                    w_down: Array) -> Array:
     """Dropless sorted dispatch. x [N, D]; experts/weights [N, k]; w_* [E, ...] -> [N, D]."""
     n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    inverse = jnp.argsort(order)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    order, inverse, group_sizes = _sort_pairs(experts, w_gate.shape[0])
     xs = x[order // k]
     g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     u = jax.lax.ragged_dot(xs, w_up, group_sizes)
@@ -141,10 +147,7 @@ def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
     num_experts, d, f = w_gate.shape
     m = n * k
     full, tail = _chunk_rows(m, num_experts)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    inverse = jnp.argsort(order)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    order, inverse, sizes = _sort_pairs(experts, num_experts)
     starts = jnp.cumsum(sizes) - sizes
     # zero padding of one full chunk: a chunk's window never reaches past the end (where
     # dynamic_slice would clamp it back over real rows)
