@@ -2,6 +2,7 @@
 after the fsync covering its records; concurrent puts share fsyncs; a failed fsync or a
 crash before it loses only unacknowledged puts."""
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -41,8 +42,28 @@ class GatedFsync:
         self.gate.clear()
 
 
-def open_queue(path):
-    return TrajectoryQueue(path, QueueSettings(fsync="always"))
+def open_queue(path, fsync="always"):
+    return TrajectoryQueue(path, QueueSettings(fsync=fsync))
+
+
+@contextlib.contextmanager
+def gated_queue(path, monkeypatch, fsync="always"):
+    """(GatedFsync, queue at ``path``); on the way out the gate opens (so no group commit
+    is left hanging) and the queue closes."""
+    gate = GatedFsync(monkeypatch)
+    q = open_queue(path, fsync)
+    try:
+        yield gate, q
+    finally:
+        gate.gate.set()
+        q.close()
+
+
+def wait_written(q, next_seq):
+    """Polls (10 s at most) until the queue has written the records before ``next_seq``."""
+    deadline = time.monotonic() + 10
+    while q.stats()["next_seq"] < next_seq and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def put_in_thread(q, trajs):
@@ -66,9 +87,7 @@ def ids(batch):
 
 def test_put_is_neither_acknowledged_nor_delivered_before_its_fsync(
         tmp_path, make_traj, monkeypatch):
-    fsync = GatedFsync(monkeypatch)
-    q = open_queue(tmp_path / "q")
-    try:
+    with gated_queue(tmp_path / "q", monkeypatch) as (fsync, q):
         fsync.hold()
         thread, out = put_in_thread(q, [make_traj("a", "a")])
         assert fsync.entered.wait(10)  # written, the fsync covering it is under way
@@ -80,40 +99,28 @@ def test_put_is_neither_acknowledged_nor_delivered_before_its_fsync(
         thread.join(10)
         assert out[0].accepted == ["a"]
         assert ids(q.get_batch(1, 0, max_lag=10)) == ["a"]
-    finally:
-        fsync.gate.set()
-        q.close()
 
 
 def test_concurrent_puts_share_one_fsync(tmp_path, make_traj, monkeypatch):
-    fsync = GatedFsync(monkeypatch)
-    q = open_queue(tmp_path / "q")
-    try:
+    with gated_queue(tmp_path / "q", monkeypatch) as (fsync, q):
         fsync.hold()
         first, _ = put_in_thread(q, [make_traj("a", "a")])
         assert fsync.entered.wait(10)
         calls = fsync.calls
         # three more puts are written while the first one's fsync hangs on the disk
         others = [put_in_thread(q, [make_traj(t, t)]) for t in "bcd"]
-        deadline = time.monotonic() + 10
-        while q.stats()["next_seq"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_written(q, 5)
         fsync.gate.set()
         for thread, out in [(first, None), *others]:
             thread.join(10)
             assert out is None or out[0].accepted
         assert fsync.calls - calls == 1  # one more round covered all three
         assert ids(q.get_batch(4, 0, max_lag=10)) == ["a", "b", "c", "d"]
-    finally:
-        fsync.gate.set()
-        q.close()
 
 
 def test_failed_fsync_fails_the_waiting_puts_and_cuts_only_their_records(
         tmp_path, make_traj, monkeypatch):
-    fsync = GatedFsync(monkeypatch)
-    q = open_queue(tmp_path / "q")
-    try:
+    with gated_queue(tmp_path / "q", monkeypatch) as (fsync, q):
         assert q.put([q.parse(encode(make_traj("a", "a")))]).accepted == ["a"]
         (seg,) = (tmp_path / "q").glob("seg-*.log")
         size = seg.stat().st_size
@@ -121,9 +128,7 @@ def test_failed_fsync_fails_the_waiting_puts_and_cuts_only_their_records(
         fsync.fail = True
         waiting = [put_in_thread(q, [make_traj(t, t)]) for t in "bc"]
         assert fsync.entered.wait(10)
-        deadline = time.monotonic() + 10
-        while q.stats()["next_seq"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_written(q, 4)
         fsync.gate.set()
         for thread, out in waiting:
             thread.join(10)
@@ -133,9 +138,6 @@ def test_failed_fsync_fails_the_waiting_puts_and_cuts_only_their_records(
         assert q.stats()["pending"] == 1
         # the producers' retries are stored, not taken for duplicates
         assert q.put([q.parse(encode(make_traj(t, t))) for t in "bc"]).duplicates == []
-    finally:
-        fsync.gate.set()
-        q.close()
     q = open_queue(tmp_path / "q")
     try:
         assert ids(q.get_batch(3, 0, max_lag=10)) == ["a", "b", "c"]
@@ -191,22 +193,15 @@ def test_crash_between_write_and_fsync_loses_only_unacknowledged_puts(tmp_path, 
 
 @pytest.mark.parametrize("fsync", ["never", "batch"])
 def test_other_policies_acknowledge_without_waiting(tmp_path, make_traj, monkeypatch, fsync):
-    gate = GatedFsync(monkeypatch)
-    q = TrajectoryQueue(tmp_path / "q", QueueSettings(fsync=fsync))
-    try:
+    with gated_queue(tmp_path / "q", monkeypatch, fsync) as (gate, q):
         gate.hold()  # a background fsync (batch) hanging does not hold the put
         assert q.put([q.parse(encode(make_traj("a", "a")))]).accepted == ["a"]
         assert ids(q.get_batch(1, 0, max_lag=10)) == ["a"]
-    finally:
-        gate.gate.set()
-        q.close()
 
 
 def test_duplicate_of_a_staged_item_waits_for_it_and_fails_with_it(
         tmp_path, make_traj, monkeypatch):
-    fsync = GatedFsync(monkeypatch)
-    q = open_queue(tmp_path / "q")
-    try:
+    with gated_queue(tmp_path / "q", monkeypatch) as (fsync, q):
         assert q.put([q.parse(encode(make_traj("a", "a")))]).accepted == ["a"]
         fsync.hold()
         fsync.fail = True
@@ -223,9 +218,6 @@ def test_duplicate_of_a_staged_item_waits_for_it_and_fails_with_it(
         # a put of durable duplicates only is not held up by the failed seqs
         assert q.put([q.parse(encode(make_traj("a", "a")))]).duplicates == ["a"]
         assert q.put([q.parse(encode(make_traj("b", "b")))]).accepted == ["b"]
-    finally:
-        fsync.gate.set()
-        q.close()
 
 
 def test_waiting_puts_fail_instead_of_hanging_when_the_commit_thread_dies(
