@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -174,7 +175,7 @@ class HFTensor:
     name: str
     path: Path
     expert: int | None
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[Any], Any]  # on numpy arrays (hf_state_dict) and traced jax arrays
 
 
 def _transpose(w):  # an expert's [D, F] <-> HF [F, D]
@@ -264,7 +265,8 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[in
             if value.dtype != np.dtype(dtype) or tuple(value.shape) != tuple(shape):
                 raise ValueError(f"tensor {name!r}: produced {value.dtype}{value.shape}, "
                                  f"declared {np.dtype(dtype)}{tuple(shape)}")
-            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         os.fsync(fd)
     finally:
         os.close(fd)
