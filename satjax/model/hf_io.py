@@ -82,7 +82,7 @@ def _params_by_path(model: nnx.Module) -> dict[Path, nnx.Param]:
 class _TensorReader:
     """Lazy reader over every ``*.safetensors`` file of a checkpoint directory."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str | os.PathLike[str]):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ValueError(f"path {path!r} contains no *.safetensors files")
@@ -121,7 +121,7 @@ def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[st
             for name in ("gate_proj", "up_proj", "down_proj")}
 
 
-def from_pretrained(path: str, dtype: jnp.dtype = jnp.float32, *,
+def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32, *,
                     param_dtype: jnp.dtype | None = None,
                     moe_impl: str = "auto") -> Qwen3MoeForCausalLM:
     """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
