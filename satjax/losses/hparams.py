@@ -22,7 +22,7 @@ hyperparameter arguments with :func:`check_hparams` (the same ranges, the same m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import numpy as np
 
@@ -91,6 +91,9 @@ def check_hparams(**values: Any) -> None:
 class _Validated:
     """Checks every field at construction, so an instance is always in range (including
     fields the other settings leave unused, e.g. ``is_threshold`` without a correction)."""
+
+    if TYPE_CHECKING:  # the subclasses are dataclasses (kept out of their get_type_hints)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         check_hparams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

@@ -373,7 +373,8 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
       True
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    kw = dict(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min, scale=scale)
+    kw: dict[str, Any] = dict(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min,
+                              scale=scale)
     d_seq = _seq_mean(p["d_tok"], p)
     if proxy == "sequence":
         f = tail_factor(d_seq, p["row_valid"], **kw)

@@ -89,7 +89,7 @@ class Qwen3MoeConfig:
 
         ``head_dim=32`` because vLLM's CPU attention supports head sizes of 32 and up.
         """
-        base = dict(
+        base: dict[str, Any] = dict(
             vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0,

@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,7 @@ def _params_by_path(model: nnx.Module) -> dict[Path, nnx.Param]:
 class _TensorReader:
     """Lazy reader over every ``*.safetensors`` file of a checkpoint directory."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str | os.PathLike[str]):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ValueError(f"path {path!r} contains no *.safetensors files")
@@ -120,7 +121,7 @@ def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[st
             for name in ("gate_proj", "up_proj", "down_proj")}
 
 
-def from_pretrained(path: str, dtype: jnp.dtype = jnp.float32, *,
+def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32, *,
                     param_dtype: jnp.dtype | None = None,
                     moe_impl: str = "auto") -> Qwen3MoeForCausalLM:
     """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
@@ -174,7 +175,7 @@ class HFTensor:
     name: str
     path: Path
     expert: int | None
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[Any], Any]  # on numpy arrays (hf_state_dict) and traced jax arrays
 
 
 def _transpose(w):  # an expert's [D, F] <-> HF [F, D]
@@ -264,7 +265,8 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[in
             if value.dtype != np.dtype(dtype) or tuple(value.shape) != tuple(shape):
                 raise ValueError(f"tensor {name!r}: produced {value.dtype}{value.shape}, "
                                  f"declared {np.dtype(dtype)}{tuple(shape)}")
-            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))
+            # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -32,6 +32,7 @@ not EP-optimal).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -253,8 +254,8 @@ def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array
     return jnp.einsum("ned,ne->nd", y, combine)
 
 
-_IMPLS = {"ragged": ragged_experts, "grouped": grouped_experts,
-          "dense_einsum": dense_einsum_experts}
+_IMPLS: dict[str, Callable[..., jax.Array]] = {
+    "ragged": ragged_experts, "grouped": grouped_experts, "dense_einsum": dense_einsum_experts}
 
 
 def per_batch_shard(fn, num_tokens: int):

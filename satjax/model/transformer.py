@@ -53,6 +53,7 @@ class DecoderLayer(nnx.Module):
                  dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str):
         self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.is_moe = layer_idx in cfg.moe_layer_indices
+        self.mlp: SparseMoeBlock | DenseMLP
         if self.is_moe:
             self.mlp = SparseMoeBlock(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                                       moe_impl=moe_impl)
@@ -75,7 +76,7 @@ class DecoderLayer(nnx.Module):
         x = x + h
         h = self.post_attention_layernorm(x)
         routes = None
-        if self.is_moe:
+        if isinstance(self.mlp, SparseMoeBlock):  # i.e. self.is_moe
             h, routes = self.mlp(h, routed_experts)
         else:
             h = self.mlp(h)
@@ -171,8 +172,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
             return model._full_forward(input_ids, valid, positions, routed_experts)
 
         P = jax.sharding.PartitionSpec
-        out_sharding = ModelOutput(P(*spec, None), P(*spec, None, None), P(*spec, None, None),
-                                   P(*spec, None, None))
+        lead, per_layer = P(*spec, None), P(*spec, None, None)
+        # the output's pytree with PartitionSpec leaves (ModelOutput's fields say Array)
+        out_sharding = ModelOutput(lead, per_layer, per_layer, per_layer)  # type: ignore[arg-type]
         return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
             state, input_ids, valid, positions, routed_experts)
 
@@ -188,7 +190,9 @@ class Qwen3MoeForCausalLM(nnx.Module):
         s = cache[0][0].shape[1]
         q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
         mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
-        return self._run(input_ids, positions, mask, routed_experts, cache, cache_index)
+        out, new_cache = self._run(input_ids, positions, mask, routed_experts, cache, cache_index)
+        assert new_cache is not None  # _run returns the updated cache when given one
+        return out, new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
@@ -220,7 +224,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
         if cache is None and self.scan_layers and len({m.is_moe for m in self.layers}) == 1:
             x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts)
             return self._head(x, stacked, b, t, k), None
-        routes, new_cache = [], []
+        routes: list[RouteRecord] = []
+        new_cache: list[tuple[Array, Array]] = []
         for i, layer in enumerate(self.layers):
             replay = None
             if routed_experts is not None and layer.is_moe:
@@ -228,7 +233,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
             x, layer_cache, rec = layer(x, cos, sin, mask, None if cache is None else cache[i],
                                         cache_index, replay)
             x = constrain(x, ACTIVATION)
-            new_cache.append(layer_cache)
+            if layer_cache is not None:  # None throughout without a cache
+                new_cache.append(layer_cache)
             if rec is not None:
                 routes.append(rec)
         if routes:

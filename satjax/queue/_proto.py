@@ -7,8 +7,8 @@ They are build artefacts, never committed: ``setup.py``'s build_py runs ``grpc_t
 from __future__ import annotations
 
 try:
-    from satjax.queue import trajectory_pb2 as pb2
-    from satjax.queue import trajectory_pb2_grpc as pb2_grpc
+    import satjax.queue.trajectory_pb2 as pb2
+    import satjax.queue.trajectory_pb2_grpc as pb2_grpc
 except ImportError as e:  # pragma: no cover - depends on how the package was installed
     raise ImportError(
         "satjax.queue: the generated modules trajectory_pb2 / trajectory_pb2_grpc are "

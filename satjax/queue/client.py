@@ -23,6 +23,7 @@ from satjax.queue._proto import SERVICE, pb2, pb2_grpc
 from satjax.queue.codec import (
     MAX_MESSAGE_MB,
     PUT_BATCH_TRAJECTORIES,
+    Buffer,
     decode_batch_reply,
     encode_parts,
     join_messages,
@@ -134,8 +135,8 @@ class QueueClient:
         if retries < 0:
             raise ValueError(f"retries: must be >= 0, got {retries!r}")
         size = int(max_message_mb * (1 << 20))
-        options = [("grpc.max_receive_message_length", size),
-                   ("grpc.max_send_message_length", size)]
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", size),
+                                                 ("grpc.max_send_message_length", size)]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         if tls_ca is not None:
@@ -188,9 +189,10 @@ class QueueClient:
         :class:`QueueValidationError` instead when any item is rejected.
         """
         # each item as parts (arrays as views): joining them is then the one copy
-        parts = [[t] if isinstance(t, bytes) else [t.SerializeToString()]
-                 if isinstance(t, pb2.Trajectory) else encode_parts(t, num_experts=self.num_experts)
-                 for t in trajectories]
+        parts: list[list[Buffer]] = [
+            [t] if isinstance(t, bytes) else [t.SerializeToString()]
+            if isinstance(t, pb2.Trajectory) else encode_parts(t, num_experts=self.num_experts)
+            for t in trajectories]
         total = sum(len(p) for item in parts for p in item)
         reply = None
         if (1 < len(parts) and total < STREAM_ITEM_BYTES * len(parts)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 from google.protobuf.descriptor import Descriptor
@@ -37,7 +38,8 @@ from satjax.trajectory import Trajectory
 SCHEMA_VERSION = pb2.SCHEMA_VERSION_1
 TOKEN_DTYPE = np.dtype("<i4")      # prompt_tokens, response_tokens
 LOGPROB_DTYPE = np.dtype("<f4")    # behavior_logprobs
-ROUTE_DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "int32": np.dtype("<i4")}
+ROUTE_DTYPES: dict[str, np.dtype] = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"),
+                                    "int32": np.dtype("<i4")}
 LOGIT_DTYPES = {"float16": np.dtype("<f2")}
 VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5  # protobuf wire types
 MAX_MESSAGE_MB = 64.0  # default gRPC message size limit of server and client alike
@@ -113,9 +115,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise WireError("varint too long")
 
 
-def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
-    """(field number, wire type, value): int for varint/fixed, memoryview for LEN."""
+def iter_fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value): int for varint/fixed, memoryview for LEN.
+
+    The value is typed Any: its type follows the wire type, which callers check and a
+    static type cannot tie to it.
+    """
     pos, end = 0, len(buf)
+    value: int | memoryview
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wtype = key >> 3, key & 7
@@ -183,6 +190,10 @@ class _Packed:
     """
 
     __slots__ = ("data", "dtype", "shape", "num_experts")
+    data: memoryview
+    dtype: str
+    shape: list[int]
+    num_experts: int
 
     def __init__(self, buf: memoryview, numbers: Mapping[str, int]):
         self.data, self.dtype, self.shape, self.num_experts = memoryview(b""), "", [], 0
@@ -313,25 +324,26 @@ def _sub_message(field: int, parts: list[Buffer]) -> list[Buffer]:
     return [_varint(field << 3 | LEN), _varint(sum(len(p) for p in parts)), *parts]
 
 
-def _scalar(field: int, value: int) -> list[bytes]:
+def _scalar(field: int, value: int) -> list[Buffer]:
     return [_varint(field << 3 | VARINT), _varint(value)] if value else []
 
 
-def _dbl(field: int, value: float) -> list[bytes]:
+def _dbl(field: int, value: float) -> list[Buffer]:
     # proto3 omits +0.0 only (-0.0 has a non-zero bit pattern and is written)
     if value == 0.0 and math.copysign(1.0, value) > 0:
         return []
     return [_varint(field << 3 | FIXED64), _DOUBLE.pack(value)]
 
 
-def _str(field: int, value: str) -> list[bytes]:
+def _str(field: int, value: str) -> list[Buffer]:
     return _len_field(field, value.encode()) if value else []
 
 
 def _array_bytes(array, dtype: np.dtype) -> memoryview:
     """Byte view of ``array`` as contiguous little-endian ``dtype``: no copy when it
     already is one, else the one conversion copy."""
-    return memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+    return memoryview(np.ascontiguousarray(array, dtype=dtype)).cast("B")  # type: ignore[arg-type]
 
 
 def _packed_parts(numbers: Mapping[str, int], data: memoryview, dtype: str,

@@ -227,7 +227,7 @@ class PayloadCache:
 class GroupIndex:
     """Groups with unconsumed members, plus the ids of groups dropped as stale."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.groups: dict[str, Group] = {}
         self._dropped: OrderedDict[str, None] = OrderedDict()
 

@@ -176,7 +176,8 @@ class QueueService:
     def put_batch(self, items: list[Parsed], context) -> pb2.PutReply:
         return self._put_items(items)
 
-    def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:
+    # context.abort raises; grpc (untyped) cannot tell mypy that it never returns
+    def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:  # type: ignore[return]
         try:
             return self.queue.get_batch(
                 request.n, request.trainer_version,

@@ -103,7 +103,7 @@ class Location:
     length: int
 
 
-def _record_crc(seq: int, payload: bytes) -> int:
+def _record_crc(seq: int, payload: bytes | memoryview) -> int:
     """The record checksum: CRC32 of the u64 little-endian seq, then the payload."""
     return crc32(payload, crc32(SEQ.pack(seq)))
 
@@ -284,6 +284,7 @@ class SegmentLog:
                     seg = self.segments[max(self.segments)] if self.segments else None
                     if seg is None or (seg.size > 0 and seg.size >= self.segment_bytes):
                         if buffers:
+                            assert self._write_fd is not None
                             writev_all(self._write_fd, buffers)
                             buffers = []
                         seg = self._roll(seq)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TypeAlias
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from satjax.queue.codec import (
 FINISH_REASONS = ("stop", "length", "abort")
 # the trainer computes in float32: a float64 value beyond this is inf there
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-TrajectoryLike = pb2.Trajectory | TrajectoryView  # same attribute names
+TrajectoryLike: TypeAlias = pb2.Trajectory | TrajectoryView  # same attribute names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Problem:
     message: str
 
 
-def _packed(data: bytes, dtype: np.dtype, field: str) -> tuple[np.ndarray | None, Problem | None]:
+def _packed(data: bytes | memoryview, dtype: np.dtype, field: str
+            ) -> tuple[np.ndarray | None, Problem | None]:
     if len(data) % dtype.itemsize:
         return None, Problem(field, f"{field}: must be a whole number of {dtype.name} values, "
                                     f"got {len(data)!r} bytes")
@@ -143,7 +145,8 @@ def _check_tokens(msg: TrajectoryLike, limits: Limits) -> tuple[int, int, Proble
     return p, n, None
 
 
-def _shape(field: str, shape, data: bytes, dtype: np.dtype, rows: int) -> Problem | None:
+def _shape(field: str, shape, data: bytes | memoryview, dtype: np.dtype, rows: int
+           ) -> Problem | None:
     if len(shape) != 3 or min(shape) < 1:
         return Problem(field, f"{field}.shape: must be 3 positive sizes, got {list(shape)!r}")
     if shape[0] != rows:
@@ -159,8 +162,9 @@ def _shape(field: str, shape, data: bytes, dtype: np.dtype, rows: int) -> Proble
 def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | None:
     num_experts = limits.num_experts
     logits_e = None
-    if msg.HasField("router_logits"):
-        lg = msg.router_logits
+    # None when unset (a pb2 message returns an empty default, a TrajectoryView None)
+    lg = msg.router_logits if msg.HasField("router_logits") else None
+    if lg is not None:
         if lg.dtype not in LOGIT_DTYPES:
             return Problem("router_logits", f"router_logits.dtype: must be one of "
                                             f"{tuple(LOGIT_DTYPES)}, got {lg.dtype!r}")
@@ -177,9 +181,9 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
                                             f"num_experts {num_experts}, got {logits_e!r}")
         if np.isnan(np.frombuffer(lg.data, LOGIT_DTYPES[lg.dtype])).any():
             return Problem("router_logits", "router_logits.data: must not be NaN, got a NaN")
-    if not msg.HasField("routed_experts"):
+    r = msg.routed_experts if msg.HasField("routed_experts") else None
+    if r is None:
         return None
-    r = msg.routed_experts
     if r.dtype not in ROUTE_DTYPES:
         return Problem("routed_experts", f"routed_experts.dtype: must be one of "
                                          f"{tuple(ROUTE_DTYPES)}, got {r.dtype!r}")
@@ -192,9 +196,9 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
     if limits.top_k is not None and r.shape[2] != limits.top_k:
         return Problem("routed_experts", f"routed_experts.shape: k must be the server's top_k "
                                          f"{limits.top_k}, got {r.shape[2]!r}")
-    if msg.HasField("router_logits") and msg.router_logits.shape[1] != r.shape[1]:
+    if lg is not None and lg.shape[1] != r.shape[1]:
         return Problem("router_logits", f"router_logits.shape: L must equal routed_experts' "
-                                        f"{r.shape[1]}, got {msg.router_logits.shape[1]!r}")
+                                        f"{r.shape[1]}, got {lg.shape[1]!r}")
     # E: the server's setting, else what the producer declares, else the logits' width.
     for source in (r.num_experts or None, logits_e):
         if num_experts is None:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from satjax.model import DTYPES, canary_logprobs, from_pretrained
+from satjax.model import DTYPES, Qwen3MoeForCausalLM, canary_logprobs, from_pretrained
 from satjax.model.sampling import Samples, generate
 from satjax.rollout.engine import Completion, SamplingParams
 
@@ -29,7 +29,7 @@ class BuiltinEngine:
             raise ValueError(f"sample_dtype: one of {sorted(DTYPES)}, got {sample_dtype!r}")
         self.sample_dtype = DTYPES[sample_dtype]
         self.pad_id = pad_id
-        self.model = None
+        self.model: Qwen3MoeForCausalLM | None = None
         self.version: int | None = None
 
     def load(self, checkpoint_dir: Path, version: int) -> None:

@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import re
+from typing import Any
 
 import torch
 
@@ -123,7 +124,8 @@ def update_weights(worker, named: list[tuple[str, torch.Tensor]]) -> dict:
     if rest:
         worker.model_runner.reload_weights(weights_iterator=rest, is_checkpoint_format=True)
     for prefix, d in experts.items():
-        layer = _experts_module(model, prefix)
+        # vLLM's fused experts: torch's stubs type its w13_weight, w2_weight as Tensor | Module
+        layer: Any = _experts_module(model, prefix)
         num_experts, two_p, _ = layer.w13_weight.shape
         w13, w2 = fuse_experts(d, num_experts, two_p // 2)
         if w13.shape != layer.w13_weight.shape or w2.shape != layer.w2_weight.shape:
@@ -150,6 +152,8 @@ def weight_fingerprint(model: torch.nn.Module) -> float:
 
 class WeightExt:
     """Mixed into vLLM's worker class: ``self`` is the worker."""
+
+    model_runner: Any  # the worker's
 
     def update_weights_from_dir(self, path: str) -> str:
         """Loads the checkpoint at ``path`` into the running model; returns a JSON summary

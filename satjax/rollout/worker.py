@@ -73,7 +73,7 @@ class RolloutWorker:
         task: Task,
         tokenizer,
         client,
-        subscriber: WeightSubscriber,
+        subscriber: WeightSubscriber | None,  # None: the caller loads the engine's weights
         examples: Iterator[Example],
         cfg: WorkerConfig,
     ) -> None:
@@ -88,6 +88,7 @@ class RolloutWorker:
     # -- weights -------------------------------------------------------------------
     def maybe_sync(self, wait: bool = False) -> bool:
         """Loads the version the trainer wants served, if it differs; True if loaded."""
+        assert self.subscriber is not None, "a worker without a subscriber never syncs"
         wanted = self.subscriber.wanted_version()
         while wanted is None and wait and not self.stop_event.is_set():
             time.sleep(self.cfg.pause_poll_s)

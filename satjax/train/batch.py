@@ -139,8 +139,10 @@ def make_batch(
             "routes must be present on all trajectories of a batch or on none"
         )
     if with_routes:
-        L = num_layers_moe if num_layers_moe is not None else with_routes[0].routed_experts.shape[1]
-        k = top_k if top_k is not None else with_routes[0].routed_experts.shape[2]
+        first = with_routes[0].routed_experts
+        assert first is not None  # with_routes holds the trajectories with routes
+        L = num_layers_moe if num_layers_moe is not None else first.shape[1]
+        k = top_k if top_k is not None else first.shape[2]
 
     tokens = np.full((B, T), pad_id, np.int32)
     attn = np.zeros((B, T), np.int32)
@@ -183,15 +185,10 @@ def make_batch(
     # padding rows form whole fake groups with fresh ids, fully masked
     for i in range(n, B):
         group_ids[i] = len(gid_index) + (i - n) // group_size
+    # host numpy arrays, in fields typed for the jax.Arrays the step sees once they are placed
     return Batch(
-        tokens=tokens,
-        attention_mask=attn,
-        loss_mask=loss_mask,
-        behavior_logprobs=blp,
-        rewards=rewards,
-        group_ids=group_ids,
-        policy_versions=versions,
-        routed_experts=routes,
-        advantages=adv,
+        tokens=tokens, attention_mask=attn, loss_mask=loss_mask,  # type: ignore[arg-type]
+        behavior_logprobs=blp, rewards=rewards, group_ids=group_ids,  # type: ignore[arg-type]
+        policy_versions=versions, routed_experts=routes, advantages=adv,  # type: ignore[arg-type]
         group_size=group_size,
     )

@@ -111,7 +111,8 @@ def _boxes_by_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
     """The distinct index boxes of an array's shards on each process."""
     out: dict[int, set[Region]] = {}
     for dev, index in sharding.devices_indices_map(shape).items():
-        out.setdefault(dev.process_index, set()).add(_box(index, shape))
+        # jax's Device aliases a jaxlib class that mypy cannot see into
+        out.setdefault(dev.process_index, set()).add(_box(index, shape))  # type: ignore[attr-defined]
     return out
 
 
@@ -198,7 +199,8 @@ def snapshot(params: dict[tuple, jax.Array], plan: PublishPlan, process: int,
     snapshot's: refilling them skips the page faults of fresh memory, about as costly as
     the copy itself)."""
     out = {} if out is None else out
-    path, shards = None, []
+    path = None
+    shards: list[tuple[Region, jax.Array | np.ndarray]] = []
     for t in plan.tensors:
         if plan.owner[t.name] != process:
             continue
@@ -237,8 +239,9 @@ def write_process_files(staging: Path, plan: PublishPlan, host: dict[str, np.nda
 
     def write(job: tuple[str, tuple[str, ...]]) -> str:
         fname, names = job
+        # mypy cannot infer a lambda with a default argument for a Callable[[], ...]
         write_safetensors(str(staging / fname), [
-            (n, plan.shapes[n][1], plan.shapes[n][0], lambda n=n: host[n])
+            (n, plan.shapes[n][1], plan.shapes[n][0], lambda n=n: host[n])  # type: ignore[misc]
             for n in names])
         return fname
 
@@ -345,6 +348,8 @@ class ShardedPublisher:
         self.wait()
         if self._plan is None:
             self._compile(model)
+        assert (self._plan is not None and self._convert_fn is not None
+                and self._reshard_fn is not None and self._canary_fn is not None)  # set by _compile
         # a device copy in HF layout: the next step may donate the state's buffers
         hf = self._convert_fn(model_params(model))
         if self._plan.reshard:
@@ -364,6 +369,7 @@ class ShardedPublisher:
              canary: jax.Array, target_version: int | None) -> None:
         t0 = time.perf_counter()
         try:
+            assert self._plan is not None  # publish() compiled it before starting this thread
             # device -> host (waits for the copy); the device copy is dropped right away
             host = snapshot(hf.pop(), self._plan, self.process, out=self._host)
             self._host = host
@@ -385,7 +391,8 @@ class ShardedPublisher:
 
     def _commit(self, version: int, staging: Path, host: dict[str, np.ndarray],
                 canary: jax.Array, target_version: int | None) -> None:
-        plan = self._plan
+        plan, config = self._plan, self._config
+        assert plan is not None and config is not None  # set by the first publish()
         root = self.publisher.sync_dir
         for stale in published_versions(root):
             if stale >= version:  # from a timeline a crash discarded, or this very version
@@ -397,7 +404,7 @@ class ShardedPublisher:
             self.last_files = write_process_files(d, plan, host, 0)
             wait_for_peers(d, self.process_count)
             atomic_write(d / "config.json", json.dumps(
-                hf_config(self._config, dtype), indent=2, sort_keys=True))
+                hf_config(config, dtype), indent=2, sort_keys=True))
             write_index(str(d), plan.weight_map, plan.total_bytes)
 
         self.publisher.publish(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -144,8 +144,8 @@ class _TrainStep:
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.num_compilations = 0
-        self.traced_shapes: list[tuple[int, int]] = []
-        self._jitted: dict[Any, Callable[..., Any]] = {}
+        self.traced_shapes: list[tuple[int, ...]] = []
+        self._jitted: dict[Any, jax.stages.Wrapped] = {}
 
     # -- placement ------------------------------------------------------------------
     def place_state(self, state: nnx.State) -> nnx.State:
@@ -162,7 +162,8 @@ class _TrainStep:
         self, model: nnx.Module, batch: Batch, advantages: jax.Array
     ) -> tuple[Any, jax.Array, Metrics, Metrics]:
         """(grads over nnx.Param, loss, objective aux, router aux)."""
-        gdm, params, rest = nnx.split(model, nnx.Param, ...)
+        # flax annotates split as (graphdef, state, *states); two filters give exactly three
+        gdm, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         obj_batch = {
             "behavior_logprobs": batch.behavior_logprobs.astype(jnp.float32),
             "advantages": advantages,
@@ -259,7 +260,7 @@ class _TrainStep:
         metrics.update(raux)
         return nnx.state(ts), metrics
 
-    def _compiled_for(self, batch: Batch) -> Callable[..., Any]:
+    def _compiled_for(self, batch: Batch) -> jax.stages.Wrapped:
         bsh = self.batch_shardings(batch)
         key = (jax.tree.structure(batch), tuple(jax.tree.leaves(bsh)))
         fn = self._jitted.get(key)

@@ -8,6 +8,7 @@ worker, and decides when to publish and checkpoint.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import jax
 import optax
@@ -15,6 +16,7 @@ from flax import nnx
 
 from satjax import parallel
 from satjax.config import Config
+from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import make_batch
 from satjax.train.checkpoint import Checkpointer
@@ -96,7 +98,9 @@ class Trainer:
         """
         v = self.policy_version
         lag = self.cfg.train.exact_lag
-        self.publisher.publish(self.train_state().model, v,
+        # the policy given to __init__; TrainState holds any nnx.Module
+        model = cast(Qwen3MoeForCausalLM, self.train_state().model)
+        self.publisher.publish(model, v,
                                target_version=max(0, v - lag) if lag >= 0 else None)
 
     def wait_published(self) -> None:
