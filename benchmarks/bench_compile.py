@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/bench_compile.py [--layers 48 --batch 2 --seq 32]
 
 A deep config with tiny widths isolates the cost that grows with depth (XLA compiling the
-same layer L times when unrolled); prints both times, their ratio and the jax version.
+same layer L times when unrolled); prints the versions line, both times and their ratio.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.machine import print_versions
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs
 
 
@@ -41,9 +42,10 @@ def main() -> None:
     cfg = Qwen3MoeConfig.tiny(num_hidden_layers=args.layers, hidden_size=32,
                               intermediate_size=64, moe_intermediate_size=32)
     ids = jnp.ones((args.batch, args.seq), jnp.int32)
+    print_versions()
     unrolled = compile_seconds(cfg, False, ids)
     scanned = compile_seconds(cfg, True, ids)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}; {args.layers} MoE layers, "
+    print(f"backend {jax.default_backend()}; {args.layers} MoE layers, "
           f"hidden {cfg.hidden_size}, {cfg.num_experts} experts, batch {args.batch} x {args.seq}")
     print(f"fwd+bwd compile, layers unrolled: {unrolled:7.2f} s")
     print(f"fwd+bwd compile, lax.scan layers: {scanned:7.2f} s")
