@@ -27,9 +27,15 @@ fsync=always their puts share fsyncs (group commit).
 gRPC): T threads, each putting --concurrent-items (40) trajectories one per put, as puts/s
 per fsync policy; under fsync=always concurrent puts share fsyncs (group commit).
 
+--in-process instead times the queue's own work in a cycle, without gRPC: the same
+batches through a TrajectoryQueue in this process (parse and check, put, GetBatch, Ack),
+as median ms per cycle over --in-process-cycles cycles; what the server path costs beyond
+it is the transport.
+
   PYTHONPATH=. python benchmarks/bench_queue.py [--fsync always,never] [--repeats 5]
   PYTHONPATH=. python benchmarks/bench_queue.py --paper [--paper-prompts 256]
   PYTHONPATH=. python benchmarks/bench_queue.py --concurrent-puts 8 --fsync always,never
+  PYTHONPATH=. python benchmarks/bench_queue.py --in-process --fsync never,always
 """
 
 from __future__ import annotations
@@ -379,6 +385,43 @@ def concurrent_puts(args: argparse.Namespace, fsync: str) -> None:
           f"MB/s", flush=True)
 
 
+def in_process(args: argparse.Namespace, fsync: str) -> None:
+    """The server's share of a server-path cycle: parse + put + get_batch + ack of one batch
+    on a TrajectoryQueue in this process, median ms of each over the cycles."""
+    trajs = [make_traj(i, args.prompt, args.response, args.layers, args.topk, args.experts,
+                       args.group_size) for i in range(args.batch)]
+    cycles = args.in_process_cycles
+    batches = [[encode(dataclasses.replace(t, trajectory_id=f"t{c}-{i}",
+                                           group_id=f"g{c}-{i // args.group_size}"),
+                       num_experts=args.experts) for i, t in enumerate(trajs)]
+               for c in range(cycles)]
+    data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-inproc-", dir=args.data_dir))
+    queue = TrajectoryQueue(data_dir, QueueSettings(fsync=fsync))
+    times: dict[str, list[float]] = {"parse": [], "put": [], "get": [], "ack": []}
+    try:
+        for raws in batches:
+            t0 = time.perf_counter()
+            items = [queue.parse(raw) for raw in raws]
+            t1 = time.perf_counter()
+            assert queue.put(items).ok
+            t2 = time.perf_counter()
+            batch = queue.get_batch(args.batch, 0, max_lag=10)
+            t3 = time.perf_counter()
+            assert len(batch.payloads) == args.batch
+            queue.ack(batch.cursor)
+            t4 = time.perf_counter()
+            for name, sec in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                times[name].append(sec)
+    finally:
+        queue.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    med = {name: 1e3 * float(np.median(v)) for name, v in times.items()}
+    print(f"fsync={fsync}: queue work per cycle of {args.batch} (in process, no gRPC, median "
+          f"of {cycles}): parse+check {med['parse']:.2f} ms, put {med['put']:.2f} ms, "
+          f"GetBatch {med['get']:.2f} ms, Ack {med['ack']:.2f} ms; total "
+          f"{sum(med.values()):.2f} ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serve-echo", type=int, help=argparse.SUPPRESS)
@@ -404,6 +447,10 @@ def main() -> None:
                     help="time T threads of single-trajectory puts on the storage instead")
     ap.add_argument("--concurrent-items", type=int, default=40,
                     help="puts per thread of --concurrent-puts (default 40)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="time the queue's own work per cycle without gRPC instead")
+    ap.add_argument("--in-process-cycles", type=int, default=200,
+                    help="cycles of --in-process (default 200)")
     ap.add_argument("--paper-producers", type=int, default=1,
                     help="concurrent producers putting the --paper step's groups (default 1)")
     ap.add_argument("--paper-get", type=int, default=32,
@@ -420,6 +467,8 @@ def main() -> None:
             ap.error(f"--fsync: must be one of {FSYNC_POLICIES}, got {fsync!r}")
     if args.paper_prompts < 1:
         ap.error(f"--paper-prompts: must be >= 1, got {args.paper_prompts}")
+    if args.in_process_cycles < 1:
+        ap.error(f"--in-process-cycles: must be >= 1, got {args.in_process_cycles}")
     if args.paper_producers < 1:
         ap.error(f"--paper-producers: must be >= 1, got {args.paper_producers}")
     if args.group_size is None:
@@ -434,6 +483,10 @@ def main() -> None:
     if args.paper:
         for fsync in policies:
             paper(args, fsync)
+        return
+    if args.in_process:
+        for fsync in policies:
+            in_process(args, fsync)
         return
     if args.concurrent_puts > 0:
         for fsync in policies:
