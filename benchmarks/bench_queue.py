@@ -391,15 +391,15 @@ def in_process(args: argparse.Namespace, fsync: str) -> None:
     trajs = [make_traj(i, args.prompt, args.response, args.layers, args.topk, args.experts,
                        args.group_size) for i in range(args.batch)]
     cycles = args.in_process_cycles
-    batches = [[encode(dataclasses.replace(t, trajectory_id=f"t{c}-{i}",
-                                           group_id=f"g{c}-{i // args.group_size}"),
-                       num_experts=args.experts) for i, t in enumerate(trajs)]
-               for c in range(cycles)]
     data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-inproc-", dir=args.data_dir))
     queue = TrajectoryQueue(data_dir, QueueSettings(fsync=fsync))
     times: dict[str, list[float]] = {"parse": [], "put": [], "get": [], "ack": []}
     try:
-        for raws in batches:
+        for c in range(cycles):
+            # encoded untimed, one batch at a time (all cycles' batches at once: ~1.5 GiB)
+            raws = [encode(dataclasses.replace(t, trajectory_id=f"t{c}-{i}",
+                                               group_id=f"g{c}-{i // args.group_size}"),
+                           num_experts=args.experts) for i, t in enumerate(trajs)]
             t0 = time.perf_counter()
             items = [queue.parse(raw) for raw in raws]
             t1 = time.perf_counter()
