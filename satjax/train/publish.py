@@ -275,6 +275,18 @@ def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIME
         _marker(staging, "done", p).unlink()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """What the first publish sets up for the model's shapes and shardings: the plan, the
+    model config (config.json) and the jitted HF-layout copy, reshard and canary forward."""
+
+    plan: PublishPlan
+    config: Qwen3MoeConfig
+    convert: Callable
+    reshard: Callable
+    canary: Callable
+
+
 class ShardedPublisher:
     """Publishes versions of a sharded model from every process, in the background.
 
@@ -296,11 +308,7 @@ class ShardedPublisher:
             nonce = multihost_utils.broadcast_one_to_all(nonce)
         self._nonce = f"{int(nonce):x}"
         self._count = 0
-        self._plan: PublishPlan | None = None
-        self._config: Qwen3MoeConfig | None = None
-        self._convert_fn: Callable | None = None
-        self._canary_fn: Callable | None = None
-        self._reshard_fn: Callable | None = None
+        self._compiled: _Compiled | None = None  # by the first publish()
         self._thread: threading.Thread | None = None
         self._host: dict[str, np.ndarray] | None = None  # refilled by every publish
         self._error: tuple[int, BaseException] | None = None
@@ -310,25 +318,21 @@ class ShardedPublisher:
     @property
     def plan(self) -> PublishPlan | None:
         """Who writes what (None before the first publish)."""
-        return self._plan
+        return None if self._compiled is None else self._compiled.plan
 
-    def _compile(self, model: Qwen3MoeForCausalLM) -> None:
+    def _compile(self, model: Qwen3MoeForCausalLM) -> _Compiled:
         tensors = hf_tensors(model.config)
-        self._config = model.config
 
         def convert(params):  # copies even where to_hf is the identity (see publish)
             return {p: jnp.copy(x) for p, x in hf_layout(tensors, params).items()}
 
-        self._convert_fn = jax.jit(convert)
+        convert_fn = jax.jit(convert)
         # the plan follows the shardings XLA gives the HF-layout arrays (the same program,
         # so the same shardings, on every process)
-        hf = self._convert_fn(model_params(model))
-        self._plan = plan_publish(hf, tensors, mesh=self.mesh,
-                                  process_count=self.process_count)
+        hf = convert_fn(model_params(model))
+        plan = plan_publish(hf, tensors, mesh=self.mesh, process_count=self.process_count)
         stacked = {t.path for t in tensors if t.expert is not None}
-        out = {p: writable_sharding(hf[p], self.mesh, p in stacked)
-               for p in self._plan.reshard}
-        self._reshard_fn = jax.jit(lambda xs: xs, out_shardings=out)
+        out = {p: writable_sharding(hf[p], self.mesh, p in stacked) for p in plan.reshard}
         graphdef = nnx.graphdef(model)
         tokens = np.asarray([self.canary_tokens], np.int32)
 
@@ -336,8 +340,10 @@ class ShardedPublisher:
             lp, _ = token_logprobs(nnx.merge(graphdef, state), jnp.asarray(tokens))
             return lp[0, 1:]
 
-        self._canary_fn = jax.jit(canary, out_shardings=NamedSharding(self.mesh,
-                                                                      PartitionSpec()))
+        return _Compiled(
+            plan=plan, config=model.config, convert=convert_fn,
+            reshard=jax.jit(lambda xs: xs, out_shardings=out),
+            canary=jax.jit(canary, out_shardings=NamedSharding(self.mesh, PartitionSpec())))
 
     def publish(self, model: Qwen3MoeForCausalLM, version: int, *,
                 target_version: int | None = None) -> None:
@@ -346,38 +352,37 @@ class ShardedPublisher:
         dispatches jitted collectives (the HF-layout copy, a reshard for tensors no process
         holds whole, the canary forward), never waiting for them."""
         self.wait()
-        if self._plan is None:
-            self._compile(model)
-        assert (self._plan is not None and self._convert_fn is not None
-                and self._reshard_fn is not None and self._canary_fn is not None)  # set by _compile
+        if self._compiled is None:
+            self._compiled = self._compile(model)
+        c = self._compiled
         # a device copy in HF layout: the next step may donate the state's buffers
-        hf = self._convert_fn(model_params(model))
-        if self._plan.reshard:
-            hf = {**hf, **self._reshard_fn({p: hf[p] for p in self._plan.reshard})}
+        hf = c.convert(model_params(model))
+        if c.plan.reshard:
+            hf = {**hf, **c.reshard({p: hf[p] for p in c.plan.reshard})}
         with jax.set_mesh(self.mesh):
-            canary = self._canary_fn(nnx.state(model))
+            canary = c.canary(nnx.state(model))
         self._count += 1
         staging = self.publisher.staging_dir(version, f"{self._nonce}-{self._count}")
         staging.mkdir(exist_ok=True)
         self._thread = threading.Thread(
-            target=self._run, args=(version, staging, [hf], canary, target_version),
+            target=self._run, args=(c, version, staging, [hf], canary, target_version),
             name=f"publish-v{version}", daemon=False)  # interpreter exit waits for it
         self.last_files = []
         self._thread.start()
 
-    def _run(self, version: int, staging: Path, hf: list[dict[tuple, jax.Array]],
-             canary: jax.Array, target_version: int | None) -> None:
+    def _run(self, c: _Compiled, version: int, staging: Path,
+             hf: list[dict[tuple, jax.Array]], canary: jax.Array,
+             target_version: int | None) -> None:
         t0 = time.perf_counter()
         try:
-            assert self._plan is not None  # publish() compiled it before starting this thread
             # device -> host (waits for the copy); the device copy is dropped right away
-            host = snapshot(hf.pop(), self._plan, self.process, out=self._host)
+            host = snapshot(hf.pop(), c.plan, self.process, out=self._host)
             self._host = host
             if self.process == 0:
-                self._commit(version, staging, host, canary, target_version)
+                self._commit(c, version, staging, host, canary, target_version)
             else:
                 try:
-                    self.last_files = write_process_files(staging, self._plan, host,
+                    self.last_files = write_process_files(staging, c.plan, host,
                                                           self.process)
                 except BaseException as e:
                     atomic_write(_marker(staging, "failed", self.process), repr(e))
@@ -389,10 +394,9 @@ class ShardedPublisher:
             self._error = (version, e)
         self.last_seconds = time.perf_counter() - t0
 
-    def _commit(self, version: int, staging: Path, host: dict[str, np.ndarray],
+    def _commit(self, c: _Compiled, version: int, staging: Path, host: dict[str, np.ndarray],
                 canary: jax.Array, target_version: int | None) -> None:
-        plan, config = self._plan, self._config
-        assert plan is not None and config is not None  # set by the first publish()
+        plan = c.plan
         root = self.publisher.sync_dir
         for stale in published_versions(root):
             if stale >= version:  # from a timeline a crash discarded, or this very version
@@ -404,7 +408,7 @@ class ShardedPublisher:
             self.last_files = write_process_files(d, plan, host, 0)
             wait_for_peers(d, self.process_count)
             atomic_write(d / "config.json", json.dumps(
-                hf_config(config, dtype), indent=2, sort_keys=True))
+                hf_config(c.config, dtype), indent=2, sort_keys=True))
             write_index(str(d), plan.weight_map, plan.total_bytes)
 
         self.publisher.publish(
