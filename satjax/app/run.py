@@ -318,17 +318,16 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
             if primary else None
         address = cfg.queue.address or f"127.0.0.1:{free_port()}"
         client = QueueClient(address, token=token) if primary else None
-
-        def queue_ready() -> bool:
-            assert client is not None  # only the primary starts the queue server
-            try:
-                client.wait_ready(timeout=1.0)
-                return True
-            except QueueUnavailableError:
-                return False
-
         if primary:
             assert client is not None
+
+            def queue_ready() -> bool:
+                try:
+                    client.wait_ready(timeout=1.0)
+                    return True
+                except QueueUnavailableError:
+                    return False
+
             if cfg.queue.address:
                 client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
             else:
