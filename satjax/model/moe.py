@@ -32,6 +32,8 @@ not EP-optimal).
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from collections.abc import Callable
 
 import jax
@@ -39,11 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from satjax.config import MoeImpl
 from satjax.model.layers import make_param
 from satjax.parallel import constrain, logical_to_spec
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "grouped", "ragged", "dense_einsum")
+MOE_IMPLS: tuple[str, ...] = typing.get_args(MoeImpl)
 
 
 @jax.tree_util.register_dataclass
@@ -264,8 +267,13 @@ def per_batch_shard(fn, num_tokens: int):
 
     A dispatch sorts all its tokens by expert: under GSPMD that sort is global, so every
     device would gather every token and run the whole batch's experts. Per shard, each
-    device sorts and runs only its tokens, and the weight gradients are summed over the
-    shards (shard_map's transpose of a replicated input).
+    device sorts and runs only its tokens.
+
+    The weights enter as one copy per shard (a broadcast over a leading shard axis that
+    GSPMD partitions), not as a replicated input: the weight gradients are then summed
+    over the shards by the broadcast's transpose, a reduction GSPMD partitions itself,
+    instead of the psum shard_map's transpose would emit inside the manual computation
+    (whose bf16 form aborts XLA:CPU's all-reduce promotion pass).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -275,11 +283,24 @@ def per_batch_shard(fn, num_tokens: int):
     if rows is None:
         return fn
     axes = rows if isinstance(rows, tuple) else (rows,)
-    tok, rep = jax.sharding.PartitionSpec(rows, None), jax.sharding.PartitionSpec()
+    shards = math.prod(mesh.shape[a] for a in axes)
+    tok = jax.sharding.PartitionSpec(rows, None)
+    per_shard = jax.sharding.PartitionSpec(rows)
+
+    def local(x, experts, weights, *ws):
+        return fn(x, experts, weights, *(w[0] for w in ws))
+
     # manual over the batch axes only (other axes stay with GSPMD); check_vma=False because
     # the dispatch's loop carries start as replicated zeros and become per-shard values
-    return jax.shard_map(fn, mesh=mesh, in_specs=(tok, tok, tok, rep, rep, rep),
-                         out_specs=tok, axis_names=set(axes), check_vma=False)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, *(per_shard,) * 3),
+                           out_specs=tok, axis_names=set(axes), check_vma=False)
+
+    def run(x, experts, weights, *ws):
+        copies = [jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(w[None], (shards, *w.shape)), per_shard) for w in ws]
+        return mapped(x, experts, weights, *copies)
+
+    return run
 
 
 class Experts(nnx.Module):
