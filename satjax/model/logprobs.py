@@ -15,30 +15,70 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from satjax.model.transformer import ModelOutput, Qwen3MoeForCausalLM
+from satjax.model.transformer import BackboneOutput, Qwen3MoeForCausalLM
 
 Array = jax.Array
 
 
+# Sequence positions whose logits one step of the chunked head holds at a time: a
+# [B, 512, V] float32 block (311 MB per sequence at Qwen3's V = 151,936) instead of
+# [B, T, V] (5 GB per 8k-token sequence).
+LOGITS_CHUNK = 512
+
+
 def token_logprobs(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Array | None = None,
-                   *, temperature: float = 1.0, routed_experts: Array | None = None
-                   ) -> tuple[Array, ModelOutput]:
-    """Log-probs [B, T] f32 of ``tokens`` [B, T] under ``model`` and the forward's output.
+                   *, temperature: float = 1.0, routed_experts: Array | None = None,
+                   remat: str = "none", chunk: int = LOGITS_CHUNK
+                   ) -> tuple[Array, BackboneOutput]:
+    """Log-probs [B, T] f32 of ``tokens`` [B, T] under ``model`` and the backbone's output.
 
     Position ``t`` holds ``log p(tokens[t] | tokens[<t])``; position 0 and padding (where
-    ``attention_mask`` is 0) hold 0. ``routed_experts`` i32 [B, T, L, k] replays experts.
+    ``attention_mask`` is 0) hold 0. ``routed_experts`` i32 [B, T, L, k] replays experts;
+    ``remat`` rematerialises each decoder layer (``Qwen3MoeForCausalLM.backbone``). The LM
+    head and the log-sum-exp run ``chunk`` positions at a time (:func:`chunked_logprobs`),
+    so the full-vocabulary logits of the whole batch never exist at once.
     """
     tokens = jnp.asarray(tokens)
-    out = model(tokens, attention_mask=attention_mask, routed_experts=routed_experts)
-    scaled = out.logits[:, :-1].astype(jnp.float32) / temperature
-    # the picked logit minus logsumexp, not a gather from log_softmax: the backward then
-    # never materialises the [B, T, V] log-softmax (measured 2-4x faster on CPU)
-    picked = (jnp.take_along_axis(scaled, tokens[:, 1:, None], axis=-1)[..., 0]
-              - jax.nn.logsumexp(scaled, axis=-1))
+    out = model.backbone(tokens, attention_mask=attention_mask, routed_experts=routed_experts,
+                         remat=remat)
+    picked = chunked_logprobs(out.hidden[:, :-1], model.head_weight(), tokens[:, 1:],
+                              temperature=temperature, chunk=chunk)
     lp = jnp.pad(picked, ((0, 0), (1, 0)))
     if attention_mask is not None:
         lp = lp * jnp.asarray(attention_mask).astype(lp.dtype)
     return lp, out
+
+
+def chunked_logprobs(hidden: Array, head: Array, targets: Array, *, temperature: float = 1.0,
+                     chunk: int = LOGITS_CHUNK) -> Array:
+    """``log softmax(hidden @ head / temperature)`` at ``targets``, ``chunk`` positions at a
+    time: hidden [B, T, D], head [D, V], targets int [B, T] -> float32 [B, T].
+
+    Per position: the picked logit minus the log-sum-exp over the vocabulary, with logits
+    computed in ``hidden``'s dtype and then float32 (as the full head). Sequences longer
+    than ``chunk`` run as a scan over chunks whose body is rematerialised, so the forward
+    keeps no logits and the backward recomputes one chunk's [B, chunk, V] at a time; the
+    backward never forms a log-softmax either (the gradient of logsumexp is the softmax,
+    recomputed per chunk).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+
+    def block(h: Array, y: Array) -> Array:
+        scaled = (h @ head).astype(jnp.float32) / temperature
+        return (jnp.take_along_axis(scaled, y[..., None], axis=-1)[..., 0]
+                - jax.nn.logsumexp(scaled, axis=-1))
+
+    b, t = targets.shape
+    if t <= chunk:
+        return block(hidden, targets)
+    n = -(-t // chunk)
+    pad = n * chunk - t  # padded positions are computed and cut off
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1)
+    ys = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
+    step = jax.checkpoint(lambda _, xs: (None, block(*xs)))
+    _, out = jax.lax.scan(step, None, (jnp.moveaxis(hs, 1, 0), jnp.moveaxis(ys, 1, 0)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk)[:, :t]
 
 
 def canary_logprobs(model: Qwen3MoeForCausalLM, tokens: Sequence[int]) -> list[float]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from satjax.config import Remat
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.layers import Attention, DenseMLP, RMSNorm, make_param, rope_cos_sin
 from satjax.model.moe import RouteRecord, SparseMoeBlock
@@ -36,6 +39,32 @@ class ModelOutput:
     router_logits: Array
     router_topk: Array
     experts_used: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BackboneOutput:
+    """The decoder stack's outputs before the LM head (:meth:`Qwen3MoeForCausalLM.backbone`).
+
+    hidden        [B, T, D]     final-norm hidden states, compute dtype
+    router_logits, router_topk, experts_used: as in :class:`ModelOutput`
+    """
+
+    hidden: Array
+    router_logits: Array
+    router_topk: Array
+    experts_used: Array
+
+
+# What a rematerialised decoder layer keeps for the backward (``remat`` of the forward):
+# "full" only its input (the layer is recomputed), "dots" also the outputs of matmuls
+# without batch dimensions (the weight projections; attention scores are recomputed).
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+assert tuple(REMAT_POLICIES) == typing.get_args(Remat)  # the config's choices, in order
 
 
 def _explicit_mesh_axes() -> bool:
@@ -90,7 +119,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
       cfg: model configuration.
       rngs: initialisation RNGs (weights ~ N(0, initializer_range), norms = 1).
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
-      param_dtype: storage dtype of the parameters.
+      param_dtype: storage dtype of the parameters (the optimizer's master weights).
       moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" dropless
         dispatch (moe.py).
       scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
@@ -105,6 +134,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
         self.config = cfg
         self.scan_layers = scan_layers
         self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.moe_impl = moe_impl
         std = cfg.initializer_range
         self.embed_tokens = make_param(rngs, (cfg.vocab_size, cfg.hidden_size),
                                        ("vocab", "embed"), param_dtype, std=std)
@@ -119,19 +150,48 @@ class Qwen3MoeForCausalLM(nnx.Module):
             self.lm_head = make_param(rngs, (cfg.hidden_size, cfg.vocab_size),
                                       ("embed", "vocab"), param_dtype, std=std)
 
+    def with_dtype(self, dtype: jnp.dtype) -> Qwen3MoeForCausalLM:
+        """This model's parameters (shared, not copied) computing in ``dtype``: e.g. the
+        float32 reference of a bf16-compute policy."""
+        abstract = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
+            self.config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=self.param_dtype,
+            moe_impl=self.moe_impl, scan_layers=self.scan_layers))
+        return nnx.merge(nnx.graphdef(abstract), nnx.state(self))
+
     # ------------------------------------------------------------------------------------
     def __call__(self, input_ids: Array, *, attention_mask: Array | None = None,
-                 positions: Array | None = None, routed_experts: Array | None = None
-                 ) -> ModelOutput:
-        """Full-sequence forward.
+                 positions: Array | None = None, routed_experts: Array | None = None,
+                 remat: str = "none") -> ModelOutput:
+        """Full-sequence forward: :meth:`backbone`, then the LM head's float32 logits."""
+        out = self.backbone(input_ids, attention_mask=attention_mask, positions=positions,
+                            routed_experts=routed_experts, remat=remat)
+        logits = (out.hidden @ self.head_weight()).astype(jnp.float32)
+        return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used)
+
+    def head_weight(self) -> Array:
+        """The LM head [D, V] in the compute dtype (the embedding table's transpose when
+        ``tie_word_embeddings``)."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens[...].astype(self.dtype).T
+        return self.lm_head[...].astype(self.dtype)
+
+    def backbone(self, input_ids: Array, *, attention_mask: Array | None = None,
+                 positions: Array | None = None, routed_experts: Array | None = None,
+                 remat: str = "none") -> BackboneOutput:
+        """Embedding, decoder layers and the final norm, without the LM head (a caller
+        that needs only some logits, e.g. chunked log-probs, applies :meth:`head_weight`).
 
         input_ids int32 [B, T]; attention_mask [B, T] (1 = real token; padding anywhere is
         excluded as a key); positions int32 [B, T] (default cumsum(mask) - 1, clipped at 0);
-        routed_experts int32 [B, T, L, k] replays these experts in the L MoE layers (R3).
+        routed_experts int32 [B, T, L, k] replays these experts in the L MoE layers (R3);
+        remat: what each decoder layer keeps for the backward (:data:`REMAT_POLICIES`:
+        "none", "full" or "dots"); the values are the same either way.
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         b, t = input_ids.shape
         if attention_mask is None:
             valid = jnp.ones((b, t), jnp.bool_)
@@ -145,19 +205,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
         elif tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
         if _explicit_mesh_axes():
-            return self._call_auto_axes(input_ids, valid, positions, routed_experts)
-        return self._full_forward(input_ids, valid, positions, routed_experts)
+            return self._call_auto_axes(input_ids, valid, positions, routed_experts, remat)
+        return self._full_forward(input_ids, valid, positions, routed_experts, remat)
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
-                      routed_experts: Array | None) -> ModelOutput:
+                      routed_experts: Array | None, remat: str) -> BackboneOutput:
         t = input_ids.shape[1]
         slots = jnp.arange(t)
         mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
-        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0)
+        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0, remat)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
-                        routed_experts: Array | None) -> ModelOutput:
+                        routed_experts: Array | None, remat: str) -> BackboneOutput:
         """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
 
         Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
@@ -169,12 +229,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
         def body(state, input_ids, valid, positions, routed_experts):
             model = nnx.merge(graphdef, state)
-            return model._full_forward(input_ids, valid, positions, routed_experts)
+            return model._full_forward(input_ids, valid, positions, routed_experts, remat)
 
         P = jax.sharding.PartitionSpec
         lead, per_layer = P(*spec, None), P(*spec, None, None)
-        # the output's pytree with PartitionSpec leaves (ModelOutput's fields say Array)
-        out_sharding = ModelOutput(lead, per_layer, per_layer, per_layer)  # type: ignore[arg-type]
+        # the output's pytree with PartitionSpec leaves (the fields say Array)
+        out_sharding = BackboneOutput(lead, per_layer, per_layer, per_layer)  # type: ignore[arg-type]
         return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
             state, input_ids, valid, positions, routed_experts)
 
@@ -190,9 +250,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
         s = cache[0][0].shape[1]
         q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
         mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
-        out, new_cache = self._run(input_ids, positions, mask, routed_experts, cache, cache_index)
+        out, new_cache = self._run(input_ids, positions, mask, routed_experts, cache,
+                                   cache_index, "none")
         assert new_cache is not None  # _run returns the updated cache when given one
-        return out, new_cache
+        logits = (out.hidden @ self.head_weight()).astype(jnp.float32)
+        return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used), \
+            new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
@@ -205,8 +268,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
     # ------------------------------------------------------------------------------------
     def _run(self, input_ids: Array, positions: Array, mask: Array,
              routed_experts: Array | None,
-             cache: KVCache | None, cache_index: Array | int
-             ) -> tuple[ModelOutput, KVCache | None]:
+             cache: KVCache | None, cache_index: Array | int, remat: str
+             ) -> tuple[BackboneOutput, KVCache | None]:
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
@@ -222,18 +285,20 @@ class Qwen3MoeForCausalLM(nnx.Module):
         x = constrain(jnp.take(table, input_ids, axis=0).astype(self.dtype), ACTIVATION)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         if cache is None and self.scan_layers and len({m.is_moe for m in self.layers}) == 1:
-            x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts)
-            return self._head(x, stacked, b, t, k), None
+            x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts, remat)
+            return self._finish(x, stacked, b, t, k), None
         routes: list[RouteRecord] = []
         new_cache: list[tuple[Array, Array]] = []
         for i, layer in enumerate(self.layers):
             replay = None
             if routed_experts is not None and layer.is_moe:
                 replay = routed_experts[:, :, len(routes)]
-            x, layer_cache, rec = layer(x, cos, sin, mask, None if cache is None else cache[i],
-                                        cache_index, replay)
-            x = constrain(x, ACTIVATION)
-            if layer_cache is not None:  # None throughout without a cache
+            if cache is None:
+                x, rec = _layer_forward(nnx.graphdef(layer), remat)(
+                    nnx.state(layer), x, cos, sin, mask, replay)
+            else:
+                x, layer_cache, rec = layer(x, cos, sin, mask, cache[i], cache_index, replay)
+                assert layer_cache is not None  # a layer given a cache returns it updated
                 new_cache.append(layer_cache)
             if rec is not None:
                 routes.append(rec)
@@ -243,35 +308,44 @@ class Qwen3MoeForCausalLM(nnx.Module):
                         [r.experts_used for r in routes])]
         else:
             stacked = None
-        return self._head(x, stacked, b, t, k), (None if cache is None else tuple(new_cache))
+        return self._finish(x, stacked, b, t, k), (None if cache is None else tuple(new_cache))
 
     def _scan_layers(self, x: Array, cos: Array, sin: Array, mask: Array,
-                     routed_experts: Array | None) -> tuple[Array, list[Array] | None]:
+                     routed_experts: Array | None, remat: str
+                     ) -> tuple[Array, list[Array] | None]:
         """All (alike) layers as one scan; returns x and the stacked [B, T, L, ...] routes."""
-        graphdef = nnx.graphdef(self.layers[0])
+        layer_fn = _layer_forward(nnx.graphdef(self.layers[0]), remat)
         params = jax.tree.map(lambda *ws: jnp.stack(ws),
                               *[nnx.state(layer) for layer in self.layers])
         replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)
 
         def body(x, xs):
             state, layer_replay = xs
-            x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, layer_replay)
+            x, rec = layer_fn(state, x, cos, sin, mask, layer_replay)
             ys = None if rec is None else (rec.router_logits, rec.router_topk, rec.experts_used)
-            return constrain(x, ACTIVATION), ys
+            return x, ys
 
         x, ys = jax.lax.scan(body, x, (params, replay))
         return x, None if ys is None else [jnp.moveaxis(y, 0, 2) for y in ys]
 
-    def _head(self, x: Array, stacked: list[Array] | None, b: int, t: int, k: int
-              ) -> ModelOutput:
-        """Final norm + LM head; ``stacked`` = [router_logits, router_topk, experts_used]."""
+    def _finish(self, x: Array, stacked: list[Array] | None, b: int, t: int, k: int
+                ) -> BackboneOutput:
+        """Final norm; ``stacked`` = [router_logits, router_topk, experts_used]."""
         cfg = self.config
-        x = self.norm(x)
-        if cfg.tie_word_embeddings:
-            logits = x @ self.embed_tokens[...].astype(self.dtype).T
-        else:
-            logits = x @ self.lm_head[...].astype(self.dtype)
         if stacked is None:
             none = jnp.zeros((b, t, 0, k), jnp.int32)
             stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none]
-        return ModelOutput(logits.astype(jnp.float32), *stacked)
+        return BackboneOutput(self.norm(x), *stacked)
+
+
+def _layer_forward(graphdef: nnx.GraphDef, remat: str):
+    """``(layer state, x, cos, sin, mask, replay) -> (x, RouteRecord | None)`` of one
+    decoder layer's full-sequence forward, rematerialised by ``REMAT_POLICIES[remat]``."""
+
+    def forward(state, x, cos, sin, mask, replay):
+        x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, replay)
+        return constrain(x, ACTIVATION), rec
+
+    if remat == "none":
+        return forward
+    return jax.checkpoint(forward, policy=REMAT_POLICIES[remat])

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from satjax import losses, objectives, parallel
+from satjax.model import REMAT_POLICIES
 from satjax.model.logprobs import router_mismatch, token_logprobs
 from satjax.train.batch import Batch
 
@@ -126,11 +127,14 @@ class _TrainStep:
         lr_schedule: optax.Schedule | None,
         normalize_adv_std: bool,
         donate: bool,
+        remat: str,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         self.graphdef = graphdef
         self.mesh = mesh
         self.objective_name = objective
@@ -141,6 +145,7 @@ class _TrainStep:
         self.lr_schedule = lr_schedule
         self.normalize_adv_std = normalize_adv_std
         self.donate = donate
+        self.remat = remat
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.num_compilations = 0
@@ -174,7 +179,8 @@ class _TrainStep:
             """(log-probs [B, T], router_topk, experts_used [B, T, L, k]) of a micro-batch."""
             replayed = mb.routed_experts if self.replay else None
             lp, out = token_logprobs(nnx.merge(gdm, p, rest), mb.tokens, mb.attention_mask,
-                                     temperature=self.temperature, routed_experts=replayed)
+                                     temperature=self.temperature, routed_experts=replayed,
+                                     remat=self.remat)
             return lp, out.router_topk, out.experts_used
 
         A = self.grad_accum
@@ -298,6 +304,7 @@ def make_train_step(
     lr_schedule: optax.Schedule | None = None,
     normalize_adv_std: bool = True,
     donate: bool = True,
+    remat: str = "none",
 ) -> _TrainStep:
     """Builds the jitted train step for ``graphdef, state = nnx.split(TrainState(...))``.
 
@@ -314,6 +321,9 @@ def make_train_step(
       lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
       normalize_adv_std: divide group-centred rewards by the group std.
       donate: donate the input state buffers to the output.
+      remat: what each decoder layer keeps for the backward: "none", "full" (only its
+        input; the layer is recomputed) or "dots" (also its weight-matmul outputs); the
+        gradients are the same (``satjax.model.transformer.REMAT_POLICIES``).
     """
     return _TrainStep(
         graphdef,
@@ -327,4 +337,5 @@ def make_train_step(
         lr_schedule=lr_schedule,
         normalize_adv_std=normalize_adv_std,
         donate=donate,
+        remat=remat,
     )
