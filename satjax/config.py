@@ -28,6 +28,9 @@ class ConfigError(ValueError):
 
 
 Dtype = Literal["float32", "bfloat16"]
+# how the model computes (satjax/model: moe.py, attention.py, transformer.py read these)
+MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum"]
+Remat = Literal["none", "full", "dots"]
 FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -67,10 +70,15 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
-    preset: Literal["tiny", ""] = "tiny"  # "" when loading from `path`
+    preset: Literal["tiny", ""] = "tiny"  # "": the architecture is `path`'s or `overrides`
     path: str = ""  # local Hugging Face checkpoint directory (config.json + safetensors)
-    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # Qwen3MoeConfig fields
-    param_dtype: Dtype = "float32"
+    # Qwen3MoeConfig fields: over the tiny preset; with preset "" the whole architecture
+    # (checked against `path`'s config.json when both are given)
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    param_dtype: Dtype = "float32"  # the master weights and the optimizer state
+    dtype: Dtype = "float32"  # compute: activations and matmuls (bfloat16 on accelerators)
+    moe_impl: MoeImpl = "auto"  # expert dispatch; auto: grouped on CPU, ragged elsewhere
+    scan_layers: bool = False  # one lax.scan over the layers: compile time flat in depth
 
 
 @dataclasses.dataclass
@@ -83,7 +91,8 @@ class TaskConfig:
     scoring: Literal["exact", "per_position"] = "exact"
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     jsonl_path: str = ""
-    tokenizer_path: str = ""  # local HF tokenizer dir; empty: the built-in char tokenizer
+    # local HF tokenizer dir; empty: model.path if it holds one, else the char tokenizer
+    tokenizer_path: str = ""
 
 
 @dataclasses.dataclass
@@ -127,6 +136,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     grad_accum: int = 1
+    remat: Remat = "none"  # per decoder layer: full keeps only its input, dots also matmuls
     replay: bool = True
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
@@ -312,8 +322,6 @@ def _check_values(cfg: Config) -> None:
                 value = getattr(value, part)
             raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
 
-    need(cfg.task.name != "jsonl" or bool(cfg.task.jsonl_path), "task.jsonl_path",
-         "set when task.name is 'jsonl'")
     need(cfg.rollout.group_size >= 2, "rollout.group_size", ">= 2 (the group baseline)")
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1")
     need(cfg.rollout.num_workers >= (0 if cfg.queue.address else 1), "rollout.num_workers",
@@ -350,8 +358,9 @@ def _check_values(cfg: Config) -> None:
     need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
     need(cfg.task.scoring == "exact" or cfg.task.name in ("sort", "reverse"), "task.scoring",
          "'exact' unless task.name is 'sort' or 'reverse'")
-    need(cfg.model.preset != "" or bool(cfg.model.path), "model.path",
-         "set when model.preset is ''")
+    need(cfg.model.preset != "" or bool(cfg.model.path) or bool(cfg.model.overrides),
+         "model.path", "set when model.preset is '' and model.overrides does not give the "
+         "architecture")
     need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")

@@ -3,7 +3,11 @@ sampling parameters. Shared by ``satjax train | rollout | eval | sft | lag-sweep
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import dataclasses
+import json
+import os
+from typing import Any
+
 from flax import nnx
 
 from satjax.config import Config
@@ -30,41 +34,83 @@ def build_task(cfg: Config):
     return JsonlMathTask(load_jsonl_examples(t.jsonl_path))
 
 
-def build_tokenizer(cfg: Config):
+# files that make a checkpoint directory a Hugging Face tokenizer directory too
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tokenizer_path(cfg: Config) -> str:
+    """``task.tokenizer_path``; else ``model.path`` when the checkpoint ships its tokenizer
+    (a downloaded HF model does; satjax's own checkpoints do not); else "" (the built-in
+    character tokenizer)."""
     if cfg.task.tokenizer_path:
-        return load_hf_tokenizer(cfg.task.tokenizer_path)
-    return CharTokenizer()
+        return cfg.task.tokenizer_path
+    path = cfg.model.path
+    if path and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return path
+    return ""
 
 
-def model_config(cfg: Config, tokenizer) -> Qwen3MoeConfig:
-    if cfg.model.preset != "tiny":
-        raise ValueError(
-            f"model.preset: must be 'tiny' (the only built-in) unless model.path is set, "
-            f"got {cfg.model.preset!r}"
+def build_tokenizer(cfg: Config):
+    path = tokenizer_path(cfg)
+    return load_hf_tokenizer(path) if path else CharTokenizer()
+
+
+def model_config(cfg: Config, tokenizer=None) -> Qwen3MoeConfig:
+    """The policy's architecture: ``model.path``'s config.json; else the tiny preset sized
+    to ``tokenizer`` with ``model.overrides`` over it; else (``model.preset: ""``)
+    ``model.overrides`` as the whole architecture (how configs/qwen3-30b-a3b.yaml writes
+    the paper's model out, so its shape is known without the weights)."""
+    m = cfg.model
+    if m.path:
+        with open(os.path.join(m.path, "config.json")) as fh:
+            return Qwen3MoeConfig.from_hf_dict(json.load(fh))
+    if m.preset == "tiny":
+        if tokenizer is None:
+            raise ValueError("model_config: the tiny preset is sized to a tokenizer; pass one")
+        base: dict[str, Any] = dict(
+            vocab_size=tokenizer.vocab_size,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
         )
-    base = dict(
-        vocab_size=tokenizer.vocab_size,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
-    )
-    base.update(cfg.model.overrides)
+        base.update(m.overrides)
+    else:
+        base = dict(m.overrides)
     try:
-        return Qwen3MoeConfig.tiny(**base)
-    except TypeError as e:
+        return Qwen3MoeConfig.tiny(**base) if m.preset == "tiny" else Qwen3MoeConfig(**base)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"model.overrides: {e}") from None
+
+
+def architecture_mismatch(cfg: Config) -> list[str]:
+    """The ``model.overrides`` fields that ``model.path``'s config.json contradicts, as
+    ``"field: config.json has X, the config says Y"`` (empty unless ``model.preset`` is
+    "" and both are set): a config written for one model never trains another."""
+    m = cfg.model
+    if not (m.path and m.preset == "" and m.overrides):
+        return []
+    have = model_config(cfg)
+    want = dataclasses.replace(have, **m.overrides)
+    return [f"{k}: config.json has {getattr(have, k)!r}, the config says {getattr(want, k)!r}"
+            for k in m.overrides if getattr(have, k) != getattr(want, k)]
+
+
+def model_options(cfg: Config) -> dict[str, Any]:
+    """How the configured policy computes: the keyword arguments ``Qwen3MoeForCausalLM``
+    and ``from_pretrained`` take besides its shape (dtypes, dispatch, layer scan)."""
+    m = cfg.model
+    return dict(dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],
+                moe_impl=m.moe_impl, scan_layers=m.scan_layers)
 
 
 def build_model(cfg: Config, tokenizer, *, seed: int | None = None) -> Qwen3MoeForCausalLM:
     """The initial policy: ``model.path`` if set (a local HF checkpoint), else a freshly
-    initialised tiny MoE sized to the tokenizer."""
+    initialised tiny MoE sized to the tokenizer; computing as :func:`model_options` says."""
     if cfg.model.path:
-        return from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.param_dtype])
+        return from_pretrained(cfg.model.path, **model_options(cfg))
     mcfg = model_config(cfg, tokenizer)
     return Qwen3MoeForCausalLM(
-        mcfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed),
-        dtype=jnp.float32, param_dtype=DTYPES[cfg.model.param_dtype],
-    )
+        mcfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed), **model_options(cfg))
 
 
 def sampling_params(cfg: Config, tokenizer, *, temperature: float | None = None) -> SamplingParams:

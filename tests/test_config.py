@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -6,6 +7,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from satjax.app.commands import check_resources
 from satjax.config import (
     Config,
     ConfigError,
@@ -164,8 +166,10 @@ def test_range_errors_say_what_and_got():
         load_config(overrides=["rollout.group_size=1"])
     with pytest.raises(ConfigError, match=r"'train\.exact_lag': must be <= train\.max_lag"):
         load_config(overrides=["train.max_lag=1", "train.exact_lag=2"])
-    with pytest.raises(ConfigError, match=r"'task\.jsonl_path'"):
-        load_config(overrides=["task.name=jsonl"])
+    # paths are checked with the files they name, where a command starts
+    with pytest.raises(ConfigError, match=r"'task\.jsonl_path': must be an existing file, "
+                                          r"got ''"):
+        check_resources(load_config(overrides=["task.name=jsonl"]))
 
 
 def test_config_module_is_jax_free():
@@ -204,3 +208,40 @@ def test_objective_hyperparameters_of_another_objective_are_refused():
         load_config(None, ["objective.name=gspo", "objective.hparams.lam=0.5"])
     cfg = load_config(None, ["objective.name=gspo", "objective.hparams.eps_high=1e-3"])
     assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 1e-3}
+
+
+def test_model_compute_options_are_config_keys():
+    cfg = load_config(overrides=["model.dtype=bfloat16", "model.moe_impl=ragged",
+                                 "model.scan_layers=true", "train.remat=full"])
+    assert (cfg.model.dtype, cfg.model.param_dtype) == ("bfloat16", "float32")
+    assert (cfg.model.moe_impl, cfg.model.scan_layers, cfg.train.remat) == ("ragged", True,
+                                                                            "full")
+    for override, key in (("train.remat=some", "train.remat"),
+                          ("model.moe_impl=megablox", "model.moe_impl")):
+        with pytest.raises(ConfigError, match=f"config key '{key}': must be one of"):
+            load_config(overrides=[override])
+
+
+def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
+    from satjax.factory import model_config
+    from satjax.model import Qwen3MoeConfig
+
+    paper = Path(REPO) / "configs/qwen3-30b-a3b.yaml"
+    cfg = load_config(paper)
+    shape = model_config(cfg)  # the architecture, without weights or a tokenizer
+    assert (shape.num_hidden_layers, shape.num_experts, shape.num_experts_per_tok,
+            shape.vocab_size) == (48, 128, 8, 151936)
+    with pytest.raises(ConfigError, match="'model.path': must be a local checkpoint"):
+        check_resources(cfg)
+    # a checkpoint of another architecture is refused, naming what differs
+    other = tmp_path / "ckpt"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(
+        Qwen3MoeConfig(**{**cfg.model.overrides, "num_hidden_layers": 24}).to_hf_dict()))
+    with pytest.raises(ConfigError, match="num_hidden_layers: config.json has 24, the config "
+                                          "says 48"):
+        check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic"]))
+    (other / "config.json").write_text(json.dumps(
+        Qwen3MoeConfig(**cfg.model.overrides).to_hf_dict()))
+    check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
+                                        "train.mesh={data: 8}", "rollout.engine=builtin"]))

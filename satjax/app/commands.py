@@ -73,6 +73,7 @@ def check_resources(cfg: Config) -> None:
     """What ``load_config`` cannot check without looking outside the config: the paths it
     names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
     nothing is built or loaded. Raises ConfigError naming the key."""
+    from satjax.factory import architecture_mismatch  # imports jax, as load_config has
 
     def need(cond: bool, key: str, what: str, value: Any) -> None:
         if not cond:
@@ -81,6 +82,14 @@ def check_resources(cfg: Config) -> None:
     if cfg.model.path:
         need((Path(cfg.model.path) / "config.json").is_file(), "model.path",
              "a Hugging Face checkpoint directory (with config.json)", cfg.model.path)
+        mismatch = architecture_mismatch(cfg)
+        need(not mismatch, "model.path", "a checkpoint of the architecture model.overrides "
+             f"gives ({'; '.join(mismatch)})", cfg.model.path)
+    else:
+        # a config that writes an architecture out (configs/qwen3-30b-a3b.yaml) names the
+        # model to load; satjax does not RL-train one from random weights
+        need(cfg.model.preset == "tiny", "model.path",
+             "a local checkpoint directory of the model model.overrides describes", "")
     if cfg.task.name == "jsonl":
         need(Path(cfg.task.jsonl_path).is_file(), "task.jsonl_path", "an existing file",
              cfg.task.jsonl_path)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from satjax.app.launch import ProcessGroup, new_token
 from satjax.config import Config, dump_config
 from satjax.data.pipeline import prompt_dataset
-from satjax.factory import build_model, build_task, build_tokenizer
+from satjax.factory import build_model, build_task, build_tokenizer, model_options
 from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
 from satjax.run_dir import RunDirs
 from satjax.train.metrics import MetricsLogger
@@ -144,7 +144,7 @@ def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every
     cached = _cached_warm_start(dirs, settings)
     if cached:
         status(f"loading the cached warm-up from {dirs.sft}")
-        return from_pretrained(str(dirs.sft))
+        return from_pretrained(str(dirs.sft), **model_options(cfg))
     if cached is False:
         status(f"the cached warm-up in {dirs.sft} was made with other settings; re-running it")
     model = build_model(cfg, tokenizer)

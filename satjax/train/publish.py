@@ -333,7 +333,9 @@ class ShardedPublisher:
         plan = plan_publish(hf, tensors, mesh=self.mesh, process_count=self.process_count)
         stacked = {t.path for t in tensors if t.expert is not None}
         out = {p: writable_sharding(hf[p], self.mesh, p in stacked) for p in plan.reshard}
-        graphdef = nnx.graphdef(model)
+        # the canary runs in float32 whatever the compute dtype, as every engine's does: it
+        # checks the weights, not the numerics
+        graphdef = nnx.graphdef(model.with_dtype(jnp.float32))
         tokens = np.asarray([self.canary_tokens], np.int32)
 
         def canary(state):  # float32 log-probs of tokens[1:], like model.canary_logprobs

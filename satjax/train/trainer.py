@@ -13,9 +13,10 @@ from typing import cast
 import jax
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from satjax import parallel
-from satjax.config import Config
+from satjax.config import Config, TrainConfig
 from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import make_batch
@@ -29,6 +30,32 @@ from satjax.weight_sync import WeightPublisher
 log = logging.getLogger(__name__)
 
 CANARY_TEXT = "12+34=46"
+
+
+def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    """``train.learning_rate``, reached linearly over ``train.warmup_steps``."""
+    if t.warmup_steps > 0:
+        return optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps))
+    return optax.constant_schedule(t.learning_rate)
+
+
+def run_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The run's optimizer (``train.*``: schedule, clipping, weight decay)."""
+    t = cfg.train
+    return make_optimizer(lr_schedule(t), max_grad_norm=t.max_grad_norm,
+                          weight_decay=t.weight_decay)
+
+
+def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh):
+    """The run's jitted train step for ``nnx.split(TrainState(model, run_optimizer(cfg)))``
+    on ``mesh``, with every setting the config gives it; ``state`` may be abstract (how
+    benchmarks/bench_memory.py compiles the paper's step without its weights)."""
+    t = cfg.train
+    return make_train_step(
+        graphdef, state, mesh=mesh, objective=cfg.objective.name,
+        objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
+        temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
+        remat=t.remat)
 
 
 class Trainer:
@@ -55,16 +82,8 @@ class Trainer:
         if t.mesh.size < len(devices):
             log.warning("train.mesh uses %d of %d devices", t.mesh.size, len(devices))
         self.mesh = parallel.make_mesh(t.mesh, devices[: t.mesh.size])
-        schedule = optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps)) \
-            if t.warmup_steps > 0 else optax.constant_schedule(t.learning_rate)
-        tx = make_optimizer(schedule, max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
-        self.graphdef, state = nnx.split(TrainState(model, tx))
-        self.step_fn = make_train_step(
-            self.graphdef, state, mesh=self.mesh, objective=cfg.objective.name,
-            objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
-            temperature=max(cfg.rollout.temperature, 1e-6),
-            lr_schedule=schedule,
-        )
+        self.graphdef, state = nnx.split(TrainState(model, run_optimizer(cfg)))
+        self.step_fn = run_train_step(cfg, self.graphdef, state, self.mesh)
         self.state = self.step_fn.place_state(state)
         self.ckpt = Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                  keep=cfg.checkpoint.keep)
