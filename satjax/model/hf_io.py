@@ -123,10 +123,12 @@ def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[st
 
 def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32, *,
                     param_dtype: jnp.dtype | None = None,
-                    moe_impl: str = "auto") -> Qwen3MoeForCausalLM:
+                    moe_impl: str = "auto", attention: str = "auto") -> Qwen3MoeForCausalLM:
     """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the storage dtype.
+    ``moe_impl`` and ``attention`` choose the model's MoE dispatch and attention
+    (``Qwen3MoeForCausalLM``).
     """
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -138,7 +140,8 @@ def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32
     cfg = Qwen3MoeConfig.from_hf_dict(hf)
     param_dtype = param_dtype or dtype
     model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
-        cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl))
+        cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl,
+        attention=attention))
     params = _params_by_path(model)
     reader = _TensorReader(path)
     loaded: dict[Path, jax.Array] = {}

@@ -50,8 +50,9 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); then x + mlp(norm(x)) with a MoE or dense MLP."""
 
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, *, rngs: nnx.Rngs,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str):
-        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str, attention: str):
+        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                   impl=attention)
         self.is_moe = layer_idx in cfg.moe_layer_indices
         self.mlp: SparseMoeBlock | DenseMLP
         if self.is_moe:
@@ -70,6 +71,7 @@ class DecoderLayer(nnx.Module):
                  ) -> tuple[Array, tuple[Array, Array] | None, RouteRecord | None]:
         """x [B, T, D] -> (x, updated cache, RouteRecord of a MoE layer else None).
 
+        mask: valid bool [B, T] without a cache, bool [B, T, S] with one (``Attention``).
         routed_experts i32 [B, T, k] replays these experts (MoE layers only).
         """
         h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
@@ -93,6 +95,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
       param_dtype: storage dtype of the parameters.
       moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" dropless
         dispatch (moe.py).
+      attention: "auto" | "reference" | "blockwise" | "cudnn" | "splash" full-sequence
+        attention (attention.py); the KV-cache path always runs the reference math.
       scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
         layers (their parameters stacked per call) when all layers are alike (all MoE or all
         dense), so compile time stops growing with depth. Parameters stay per layer, so HF
@@ -101,7 +105,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
                  param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto",
-                 scan_layers: bool = False):
+                 attention: str = "auto", scan_layers: bool = False):
         self.config = cfg
         self.scan_layers = scan_layers
         self.dtype = dtype
@@ -110,7 +114,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
                                        ("vocab", "embed"), param_dtype, std=std)
         self.layers = nnx.List([
             DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                         moe_impl=moe_impl)
+                         moe_impl=moe_impl, attention=attention)
             for i in range(cfg.num_hidden_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
@@ -150,10 +154,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
                       routed_experts: Array | None) -> ModelOutput:
-        t = input_ids.shape[1]
-        slots = jnp.arange(t)
-        mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
-        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0)
+        # the attention builds its causal mask itself (blockwise: never as a [T, T] array)
+        out, _ = self._run(input_ids, positions, valid, routed_experts, None, 0)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
@@ -207,6 +209,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
              routed_experts: Array | None,
              cache: KVCache | None, cache_index: Array | int
              ) -> tuple[ModelOutput, KVCache | None]:
+        """mask: valid bool [B, T] without a cache, bool [B, T, S] with one."""
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
