@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {depth} layers, hidden {mcfg.hidden_size}, {mcfg.num_experts} experts "
           f"top-{mcfg.num_experts_per_tok}, vocab {mcfg.vocab_size}; compute "
           f"{cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.train.remat}, "
-          f"attention {getattr(cfg.model, 'attention', 'reference')}, moe {cfg.model.moe_impl}, "
+          f"attention {cfg.model.attention}, moe {cfg.model.moe_impl}, "
           f"scan_layers {cfg.model.scan_layers}")
     mesh = dict(zip(("data", "fsdp", "expert", "tensor"), cfg.train.mesh.shape, strict=True))
     print(f"step: mesh {mesh}, "

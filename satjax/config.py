@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 Dtype = Literal["float32", "bfloat16"]
 # how the model computes (satjax/model: moe.py, attention.py, transformer.py read these)
 MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum"]
+AttentionImpl = Literal["auto", "reference", "blockwise", "cudnn", "splash"]
 Remat = Literal["none", "full", "dots"]
 FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -78,6 +79,8 @@ class ModelConfig:
     param_dtype: Dtype = "float32"  # the master weights and the optimizer state
     dtype: Dtype = "float32"  # compute: activations and matmuls (bfloat16 on accelerators)
     moe_impl: MoeImpl = "auto"  # expert dispatch; auto: grouped on CPU, ragged elsewhere
+    # full-sequence attention; auto: splash (TPU), cudnn (GPU), reference or blockwise (CPU)
+    attention: AttentionImpl = "auto"
     scan_layers: bool = False  # one lax.scan over the layers: compile time flat in depth
 
 

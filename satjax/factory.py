@@ -100,7 +100,7 @@ def model_options(cfg: Config) -> dict[str, Any]:
     and ``from_pretrained`` take besides its shape (dtypes, dispatch, layer scan)."""
     m = cfg.model
     return dict(dtype=DTYPES[m.dtype], param_dtype=DTYPES[m.param_dtype],
-                moe_impl=m.moe_impl, scan_layers=m.scan_layers)
+                moe_impl=m.moe_impl, attention=m.attention, scan_layers=m.scan_layers)
 
 
 def build_model(cfg: Config, tokenizer, *, seed: int | None = None) -> Qwen3MoeForCausalLM:

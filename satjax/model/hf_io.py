@@ -123,11 +123,13 @@ def _load_experts(reader: _TensorReader, cfg: Qwen3MoeConfig, i: int) -> dict[st
 
 def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32, *,
                     param_dtype: jnp.dtype | None = None, moe_impl: str = "auto",
-                    scan_layers: bool = False) -> Qwen3MoeForCausalLM:
+                    attention: str = "auto", scan_layers: bool = False
+                    ) -> Qwen3MoeForCausalLM:
     """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the storage dtype;
-    ``moe_impl`` and ``scan_layers`` as :class:`Qwen3MoeForCausalLM` takes them.
+    ``moe_impl``, ``attention`` and ``scan_layers`` as :class:`Qwen3MoeForCausalLM` takes
+    them.
     """
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -140,7 +142,7 @@ def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32
     param_dtype = param_dtype or dtype
     model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
         cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl,
-        scan_layers=scan_layers))
+        attention=attention, scan_layers=scan_layers))
     params = _params_by_path(model)
     reader = _TensorReader(path)
     loaded: dict[Path, jax.Array] = {}

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from satjax.model.attention import causal_attention, masked_attention, resolve_attention
+
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
 
 
 def make_param(rngs: nnx.Rngs | None, shape: Sequence[int], names: tuple[str | None, ...],
@@ -59,9 +60,14 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with per-head q/k RMSNorm and RoPE, optional KV cache."""
+    """Grouped-query attention with per-head q/k RMSNorm and RoPE, optional KV cache.
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype):
+    ``impl`` (one of ``satjax.model.attention.ATTENTION_IMPLS``) computes the full-sequence
+    path; "auto" resolves per call from the sequence length and backend.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
+                 impl: str = "auto"):
         d, h, kv, hd = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.head_dim)
         std = cfg.initializer_range
@@ -86,6 +92,8 @@ class Attention(nnx.Module):
         self.use_bias = cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.dtype = dtype
+        resolve_attention(impl, 0)  # validates the name; "auto" needs T, known per call
+        self.impl = impl
 
     def _w(self, p: nnx.Param) -> Array:
         return p[...].astype(self.dtype)
@@ -93,13 +101,13 @@ class Attention(nnx.Module):
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                  cache: tuple[Array, Array] | None = None, cache_index: Array | int = 0
                  ) -> tuple[Array, tuple[Array, Array] | None]:
-        """x: [B, T, D]; mask: bool [B, T, S] (query may attend key slot).
+        """x: [B, T, D] -> ([B, T, D], updated cache or None).
 
-        Without a cache S == T and the mask must be causal (key slot s > query t never
-        attended), as the model's full-sequence forward builds it. With a cache (k, v each
-        [B, S, Hkv, Dh]) the new keys and values are written at slots
-        ``cache_index .. cache_index + T - 1`` first.
-        Returns ([B, T, D], updated cache or None).
+        Without a cache, mask is ``valid`` bool [B, T] (which slots hold real tokens) and
+        the attention is causal by slot with padding excluded as a key
+        (``satjax.model.attention.causal_attention`` with ``impl``). With a cache (k, v each
+        [B, S, Hkv, Dh]) mask is bool [B, T, S] (query may attend key slot) and the new keys
+        and values are written at slots ``cache_index .. cache_index + T - 1`` first.
         """
         q = jnp.einsum("btd,dhk->bthk", x, self._w(self.q_proj))
         k = jnp.einsum("btd,dhk->bthk", x, self._w(self.k_proj))
@@ -115,44 +123,14 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
             cache = (k, v)
             k, v = k.astype(self.dtype), v.astype(self.dtype)
-        b, t = x.shape[:2]
-        q = q.reshape(b, t, self.num_kv_heads, self.num_heads // self.num_kv_heads,
-                      self.head_dim)
         if cache is None:
-            # Without a cache the mask is the model's causal one, so a block of queries
-            # never attends keys past its last query: skipping them saves ~3/8 of the score
-            # and value work at 4 blocks (the skipped probabilities are exactly 0).
-            size = t // causal_blocks(t)
-            out = jnp.concatenate([
-                _attend(q[:, lo:lo + size], k[:, :lo + size], v[:, :lo + size],
-                        mask[:, lo:lo + size, :lo + size], self.dtype)
-                for lo in range(0, t, size)], axis=1)
+            out = causal_attention(q, k, v, mask, impl=self.impl)
         else:
-            out = _attend(q, k, v, mask, self.dtype)
-        out = out.reshape(b, t, self.num_heads, self.head_dim)
+            out = masked_attention(q, k, v, mask)
         out = jnp.einsum("bthk,hkd->btd", out, self._w(self.o_proj))
         if self.use_bias:
             out = out + self._w(self.o_bias)
         return out, cache
-
-
-def causal_blocks(t: int) -> int:
-    """Query blocks of a causal full-sequence attention over t tokens: 4 while each block
-    keeps >= 64 queries (smaller ones run the score matmuls inefficiently), else fewer."""
-    for blocks in (4, 2):
-        if t % blocks == 0 and t // blocks >= 64:
-            return blocks
-    return 1
-
-
-def _attend(q: Array, k: Array, v: Array, mask: Array, dtype: jnp.dtype) -> Array:
-    """Softmax attention of grouped queries q [B, T, Hkv, G, Dh] over k, v [B, S, Hkv, Dh]
-    with mask bool [B, T, S] -> [B, T, Hkv, G, Dh]; scores and softmax in float32."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
-    scores = scores * (q.shape[-1] ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
 class DenseMLP(nnx.Module):

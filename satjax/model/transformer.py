@@ -79,8 +79,9 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)); then x + mlp(norm(x)) with a MoE or dense MLP."""
 
     def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int, *, rngs: nnx.Rngs,
-                 dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str):
-        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                 dtype: jnp.dtype, param_dtype: jnp.dtype, moe_impl: str, attention: str):
+        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                                   impl=attention)
         self.is_moe = layer_idx in cfg.moe_layer_indices
         self.mlp: SparseMoeBlock | DenseMLP
         if self.is_moe:
@@ -99,6 +100,7 @@ class DecoderLayer(nnx.Module):
                  ) -> tuple[Array, tuple[Array, Array] | None, RouteRecord | None]:
         """x [B, T, D] -> (x, updated cache, RouteRecord of a MoE layer else None).
 
+        mask: valid bool [B, T] without a cache, bool [B, T, S] with one (``Attention``).
         routed_experts i32 [B, T, k] replays these experts (MoE layers only).
         """
         h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
@@ -122,6 +124,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
       param_dtype: storage dtype of the parameters (the optimizer's master weights).
       moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" dropless
         dispatch (moe.py).
+      attention: "auto" | "reference" | "blockwise" | "cudnn" | "splash" full-sequence
+        attention (attention.py); the KV-cache path always runs the reference math.
       scan_layers: run the full-sequence forward as one ``jax.lax.scan`` over the decoder
         layers (their parameters stacked per call) when all layers are alike (all MoE or all
         dense), so compile time stops growing with depth. Parameters stay per layer, so HF
@@ -130,18 +134,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def __init__(self, cfg: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32,
                  param_dtype: jnp.dtype = jnp.float32, moe_impl: str = "auto",
-                 scan_layers: bool = False):
+                 attention: str = "auto", scan_layers: bool = False):
         self.config = cfg
         self.scan_layers = scan_layers
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.moe_impl = moe_impl
+        self.attention = attention
         std = cfg.initializer_range
         self.embed_tokens = make_param(rngs, (cfg.vocab_size, cfg.hidden_size),
                                        ("vocab", "embed"), param_dtype, std=std)
         self.layers = nnx.List([
             DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                         moe_impl=moe_impl)
+                         moe_impl=moe_impl, attention=attention)
             for i in range(cfg.num_hidden_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
@@ -155,7 +160,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         float32 reference of a bf16-compute policy."""
         abstract = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
             self.config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=self.param_dtype,
-            moe_impl=self.moe_impl, scan_layers=self.scan_layers))
+            moe_impl=self.moe_impl, attention=self.attention, scan_layers=self.scan_layers))
         return nnx.merge(nnx.graphdef(abstract), nnx.state(self))
 
     # ------------------------------------------------------------------------------------
@@ -210,10 +215,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
                       routed_experts: Array | None, remat: str) -> BackboneOutput:
-        t = input_ids.shape[1]
-        slots = jnp.arange(t)
-        mask = (slots[None, :, None] >= slots[None, None, :]) & valid[:, None, :]
-        out, _ = self._run(input_ids, positions, mask, routed_experts, None, 0, remat)
+        # the attention builds its causal mask itself (blockwise: never as a [T, T] array)
+        out, _ = self._run(input_ids, positions, valid, routed_experts, None, 0, remat)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
@@ -270,6 +273,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
              routed_experts: Array | None,
              cache: KVCache | None, cache_index: Array | int, remat: str
              ) -> tuple[BackboneOutput, KVCache | None]:
+        """mask: valid bool [B, T] without a cache, bool [B, T, S] with one."""
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
@@ -339,11 +343,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
 
 def _layer_forward(graphdef: nnx.GraphDef, remat: str):
-    """``(layer state, x, cos, sin, mask, replay) -> (x, RouteRecord | None)`` of one
+    """``(layer state, x, cos, sin, valid, replay) -> (x, RouteRecord | None)`` of one
     decoder layer's full-sequence forward, rematerialised by ``REMAT_POLICIES[remat]``."""
 
-    def forward(state, x, cos, sin, mask, replay):
-        x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, mask, None, 0, replay)
+    def forward(state, x, cos, sin, valid, replay):
+        x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, valid, None, 0, replay)
         return constrain(x, ACTIVATION), rec
 
     if remat == "none":

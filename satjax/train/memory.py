@@ -142,9 +142,8 @@ def model_flops_per_token(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int
     recomputation), at 1 and 2 layers, extrapolated linearly to the model's depth.
     """
     dense = dataclasses.replace(mcfg, num_experts=mcfg.num_experts_per_tok)
-    opts = {**model_options(cfg), "moe_impl": "dense_einsum", "scan_layers": False}
-    if "attention" in opts:
-        opts["attention"] = "reference"
+    opts = {**model_options(cfg), "moe_impl": "dense_einsum", "attention": "reference",
+            "scan_layers": False}
     flops = []
     for layers in (1, 2):
         shape = dataclasses.replace(dense, num_hidden_layers=layers, mlp_only_layers=())
