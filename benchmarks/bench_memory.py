@@ -16,7 +16,10 @@ bytes; nothing is allocated. Printed:
   aliases + temporaries: what one device holds during the step);
 * ``activations per sequence: X GiB``: the temporaries one more sequence per device per
   micro-step adds (a second compile at twice the micro-batch), i.e. what one sequence of
-  ``--seq-len`` tokens costs through the whole model, forward and backward;
+  ``--seq-len`` tokens costs through the whole model, forward and backward; beside it
+  the bytes the program itself keeps for the backward per sequence (``jax.vjp``'s
+  residuals, before any compiler), which XLA:CPU's figure exceeds where it holds bf16
+  buffers in float32;
 * model FLOPs per token: XLA's cost analysis of the model's forward + backward next to the
   analytic 6 x active parameters + attention (see :func:`model_flops_per_token`);
 * which accelerators the peak fits (HBM per chip).
@@ -69,7 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     from benchmarks.machine import print_versions
     from satjax.config import load_config
-    from satjax.train.memory import compile_step, model_flops_per_token
+    from satjax.model.attention import causal_blocks
+    from satjax.train.memory import (
+        attention_flops_per_token,
+        compile_step,
+        model_flops_per_token,
+        residuals_per_sequence,
+    )
 
     cfg = load_config(args.config, args.overrides)
     if cfg.train.mesh.size != args.devices:
@@ -118,10 +127,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"per-device peak: {one.peak / GIB:.2f} GiB")
     per_seq = (two.temporaries - one.temporaries) / args.micro_batch
     print(f"activations per sequence: {per_seq / GIB:.2f} GiB")
+    saved = residuals_per_sequence(cfg, mcfg, args.seq_len)
+    print(f"saved for the backward per sequence by the program ({depth} layers, jax.vjp "
+          f"residuals, before XLA): {saved / GIB:.2f} GiB")
     xla, analytic = model_flops_per_token(cfg, mcfg, args.seq_len)
+    blocks = causal_blocks(args.seq_len)
+    as_run = analytic + attention_flops_per_token(
+        mcfg, args.seq_len, (blocks + 1) / (2 * blocks) - 0.5)
     print(f"model FLOPs per token (fwd+bwd): XLA cost analysis {xla / 1e9:.4g} GFLOP, "
-          f"analytic 6 x active params + attention {analytic / 1e9:.4g} GFLOP "
-          f"(XLA / analytic {xla / analytic:.3f})")
+          f"analytic 6 x active params + causal attention {analytic / 1e9:.4g} GFLOP "
+          f"(XLA / analytic {xla / analytic:.3f}; the XLA count runs the reference "
+          f"attention's {blocks} query blocks, {blocks + 1}/{2 * blocks} of T x T: "
+          f"analytic at that {as_run / 1e9:.4g} GFLOP, XLA / it {xla / as_run:.3f})")
     fits = [f"{chip} ({gib} GiB): {'fits' if one.peak <= gib * GIB else 'does not fit'}"
             for chip, gib in CHIPS.items()]
     print("per-device peak vs HBM: " + "; ".join(fits))

@@ -303,6 +303,33 @@ def per_batch_shard(fn, num_tokens: int):
     return run
 
 
+# Tokens one sorted dispatch takes at once: more are split into equal chunks run one after
+# another, each rematerialised, so a long sequence's N*k sorted rows (and their backward
+# buffers) exist one chunk at a time.
+MOE_CHUNK_TOKENS = 2048
+
+
+def in_token_chunks(fn, max_tokens: int = MOE_CHUNK_TOKENS):
+    """``fn(x [N, D], experts, weights, *ws)`` run on ``ceil(N / max_tokens)`` equal chunks
+    of tokens in turn (a ``lax.map`` of rematerialised calls; the fewest chunks that divide
+    N), so its working set is one chunk's; ``fn`` itself for ``N <= max_tokens``."""
+
+    def run(x, experts, weights, *ws):
+        n = x.shape[0]
+        chunks = next(c for c in range(-(-n // max_tokens), n + 1) if n % c == 0)
+        if chunks == 1:
+            return fn(x, experts, weights, *ws)
+
+        @jax.checkpoint
+        def one(args):
+            return fn(*args, *ws)
+
+        split = [a.reshape(chunks, n // chunks, *a.shape[1:]) for a in (x, experts, weights)]
+        return jax.lax.map(one, tuple(split)).reshape(x.shape)
+
+    return run
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts stored stacked: gate/up [E, D, F], down [E, F, D]."""
 
@@ -348,7 +375,7 @@ class SparseMoeBlock(nnx.Module):
               (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
         dispatch = _IMPLS[self.moe_impl]
         if self.moe_impl != "dense_einsum":
-            dispatch = per_batch_shard(dispatch, b * t)
+            dispatch = per_batch_shard(in_token_chunks(dispatch), b * t)
         out = constrain(dispatch(flat, rec.experts_used, weights, *ws), ("batch", None))
         rec = RouteRecord(router_logits=logits, router_topk=rec.router_topk,
                           experts_used=rec.experts_used, weights=weights)

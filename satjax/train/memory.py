@@ -12,6 +12,7 @@ the same estimate next to an accelerator's measured peak.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,35 @@ def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = 
                       aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes)
 
 
+def residuals_per_sequence(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int) -> int:
+    """Bytes the model's forward keeps for its backward per sequence of ``seq_len`` tokens,
+    as the program states them (the residuals of ``jax.vjp`` of the token log-probs, with
+    the config's model options, remat and replayed routes), before any compiler: the
+    part of the activations that grows with depth, without a backend's copies or its
+    one-layer working set. Abstract (``jax.eval_shape``): nothing is computed."""
+    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(mcfg, rngs=nnx.Rngs(0),
+                                                       **model_options(cfg)))
+    # flax annotates split as (graphdef, state, *states); two filters give three
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    replay = cfg.train.replay and cfg.rollout.record_routes and bool(mcfg.moe_layer_indices)
+
+    def saved(rows: int) -> int:
+        ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
+        routes = jax.ShapeDtypeStruct(
+            (rows, seq_len, len(mcfg.moe_layer_indices), mcfg.num_experts_per_tok),
+            jnp.int32) if replay else None
+
+        def logprobs(p, ids, routes):
+            return token_logprobs(nnx.merge(graphdef, p, rest), ids, routed_experts=routes,
+                                  remat=cfg.train.remat)[0]
+
+        # the vjp closure is a pytree holding exactly the residuals
+        vjp = jax.eval_shape(lambda *a: jax.vjp(logprobs, *a)[1], params, ids, routes)
+        return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(vjp))
+
+    return saved(2) - saved(1)
+
+
 def active_params(mcfg: Qwen3MoeConfig) -> int:
     """Parameters one token's forward multiplies by (embedding lookup excluded, LM head
     included): attention projections, the router, the k routed experts or the dense MLP."""
@@ -123,13 +153,21 @@ def active_params(mcfg: Qwen3MoeConfig) -> int:
             + (mcfg.num_hidden_layers - n_moe) * dense + d * mcfg.vocab_size)
 
 
+def attention_flops_per_token(mcfg: Qwen3MoeConfig, seq_len: int,
+                              computed_fraction: float = 0.5) -> float:
+    """Forward + backward FLOPs per token of the attention products: QK and PV, 2 FLOPs per
+    multiply-add, x3 for forward and backward, over ``computed_fraction`` of the T keys
+    (1/2: causal; the reference attention computes ``(blocks + 1) / (2 blocks)``)."""
+    return (12 * computed_fraction * mcfg.num_hidden_layers * mcfg.num_attention_heads
+            * mcfg.head_dim * seq_len)
+
+
 def model_flops_per_token(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int
                           ) -> tuple[float, float]:
     """(XLA's, analytic) FLOPs per token of the model's forward + backward at ``seq_len``.
 
-    Analytic: ``6 x active_params`` plus causal attention, ``6 L H Dh T`` per token (the
-    QK and PV products, 2 FLOPs per multiply-add, x3 for forward and backward, over the
-    T/2 keys a causal query sees on average).
+    Analytic: ``6 x active_params`` plus causal attention
+    (:func:`attention_flops_per_token`, ``6 L H Dh T``).
 
     XLA's count is that of the model's gradient compiled for one device with the layers
     unrolled and the LM head in one chunk, because XLA's cost analysis counts a loop body
@@ -163,7 +201,4 @@ def model_flops_per_token(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int
         assert cost is not None  # XLA:CPU always has one
         flops.append(float(cost["flops"]) / seq_len)
     xla = flops[0] + (flops[1] - flops[0]) * (mcfg.num_hidden_layers - 1)
-    analytic = (6 * active_params(mcfg)
-                + 6 * mcfg.num_hidden_layers * mcfg.num_attention_heads * mcfg.head_dim
-                * seq_len)
-    return xla, float(analytic)
+    return xla, 6 * active_params(mcfg) + attention_flops_per_token(mcfg, seq_len)
