@@ -4,7 +4,9 @@
 
 One Qwen3-30B-A3B MoE block (hidden 2048, 128 experts of width 768, top-8) on the tokens of
 one 8k sequence (one device's micro-batch in configs/qwen3-30b-a3b.yaml). For every
-dispatch of ``satjax.model.moe`` it prints
+dispatch of ``satjax.model.moe``, on all tokens at once and (``/chunks``) as the model
+runs the sorted ones, ``MOE_CHUNK_TOKENS`` tokens at a time (``in_token_chunks``), it
+prints
 
 * the largest intermediate array of the traced program (the jaxpr of the gradient: what
   any backend is asked to compute, before XLA's fusion), and
@@ -26,10 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.machine import print_versions
-from satjax.model.moe import dense_einsum_experts, grouped_experts, ragged_experts, route
+from satjax.model.moe import (
+    MOE_CHUNK_TOKENS,
+    dense_einsum_experts,
+    grouped_experts,
+    in_token_chunks,
+    ragged_experts,
+    route,
+)
 
+# the dispatches on all tokens at once, and as SparseMoeBlock runs the sorted ones
 IMPLS = {"grouped": grouped_experts, "ragged": ragged_experts,
-         "dense_einsum": dense_einsum_experts}
+         "dense_einsum": dense_einsum_experts,
+         "grouped/chunks": in_token_chunks(grouped_experts),
+         "ragged/chunks": in_token_chunks(ragged_experts)}
 MIB = 1 << 20
 
 
@@ -64,7 +76,8 @@ def main() -> None:
     n, d, f, e, k = args.tokens, 2048, 768, 128, 8
     dtype = jnp.dtype(args.dtype)
     print_versions()
-    print(f"one MoE block: {n} tokens, hidden {d}, {e} experts x {f}, top-{k}, {dtype}")
+    print(f"one MoE block: {n} tokens, hidden {d}, {e} experts x {f}, top-{k}, {dtype}; "
+          f"chunks of {MOE_CHUNK_TOKENS} tokens")
     weights_per_token = 3 * d * f * dtype.itemsize
     print(f"forbidden sizes: expert weights per token {n * k * weights_per_token / MIB:.0f} "
           f"MiB (k copies), [tokens, experts, F] {n * e * f * dtype.itemsize / MIB:.0f} MiB, "
@@ -86,7 +99,7 @@ def main() -> None:
         size, what = largest_intermediate(jax.make_jaxpr(grad)(x, logits, *ws).jaxpr)
         temps = jax.jit(grad).lower(x, logits, *ws).compile().memory_analysis() \
             .temp_size_in_bytes
-        print(f"{name:>12}: largest traced intermediate {size / MIB:8.0f} MiB ({what}); "
+        print(f"{name:>14}: largest traced intermediate {size / MIB:8.0f} MiB ({what}); "
               f"XLA:CPU temporaries {temps / MIB:8.0f} MiB", flush=True)
 
 
