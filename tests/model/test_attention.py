@@ -196,10 +196,11 @@ def test_sharded_equals_single_device(attend):
 
 
 def test_model_blockwise_equals_reference_and_scans():
-    """Final hidden states on valid rows and parameter gradients of the token log-likelihood (right- and
-    left-padded rows), blockwise (scanned layers, 2 blocks of 256) against the reference
-    (unrolled). Only tokens whose previous slot is real count: the first token of a
-    left-padded row is predicted from a padded slot, whose output is implementation-defined."""
+    """Final hidden states on valid rows and parameter gradients of the token
+    log-likelihood (right- and left-padded rows), blockwise (scanned layers, 2 blocks of
+    256) against the reference (unrolled). Only tokens whose previous slot is real count:
+    the first token of a left-padded row is predicted from a padded slot, whose output is
+    implementation-defined."""
     # dense layers: the MoE dispatch has its own tests and doubles the compile time
     cfg = Qwen3MoeConfig.tiny(initializer_range=0.1, num_hidden_layers=2, mlp_only_layers=(0, 1))
     t = 300
