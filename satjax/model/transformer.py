@@ -168,8 +168,11 @@ class Qwen3MoeForCausalLM(nnx.Module):
                  positions: Array | None = None, routed_experts: Array | None = None,
                  remat: str = "none") -> ModelOutput:
         """Full-sequence forward: :meth:`backbone`, then the LM head's float32 logits."""
-        out = self.backbone(input_ids, attention_mask=attention_mask, positions=positions,
-                            routed_experts=routed_experts, remat=remat)
+        return self._with_logits(self.backbone(
+            input_ids, attention_mask=attention_mask, positions=positions,
+            routed_experts=routed_experts, remat=remat))
+
+    def _with_logits(self, out: BackboneOutput) -> ModelOutput:
         logits = (out.hidden @ self.head_weight()).astype(jnp.float32)
         return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used)
 
@@ -256,9 +259,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         out, new_cache = self._run(input_ids, positions, mask, routed_experts, cache,
                                    cache_index, "none")
         assert new_cache is not None  # _run returns the updated cache when given one
-        logits = (out.hidden @ self.head_weight()).astype(jnp.float32)
-        return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used), \
-            new_cache
+        return self._with_logits(out), new_cache
 
     def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype | None = None) -> KVCache:
         """Zero KV cache for ``batch`` rows of ``max_len`` slots."""
