@@ -320,7 +320,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         mlog = stack.enter_context(MetricsLogger(dirs.logs, resume_step=resume_step)) \
             if primary else None
         address = cfg.queue.address or f"127.0.0.1:{free_port()}"
-        client = QueueClient(address, token=token) if primary else None
+        # routes as the wire's uint8/uint16 views: make_batch widens them once, into the
+        # batch; decoded to int32 they would take 4x the bytes, twice with one prefetched
+        client = QueueClient(address, token=token, compact_routes=True) if primary else None
         if primary:
             assert client is not None
 
