@@ -54,7 +54,7 @@ from benchmarks.machine import print_versions  # noqa: E402
 from satjax.config import QueueConfig, TrainConfig  # noqa: E402
 from satjax.queue.client import QueueClient  # noqa: E402
 from satjax.queue.codec import encode  # noqa: E402
-from satjax.utils import retain_freed_memory  # noqa: E402
+from satjax.utils import die_with_parent, retain_freed_memory  # noqa: E402
 
 TARGET = 0.05  # data wait / step time with prefetch (issue "The paper's run fits", item 8)
 MAX_LAG = 1 << 20  # the producers' trajectories are never stale: this measures the data path
@@ -67,9 +67,18 @@ def client(port: int, **kwargs) -> QueueClient:
     return QueueClient(f"127.0.0.1:{port}", token=TOKEN, max_message_mb=MAX_MESSAGE_MB, **kwargs)
 
 
+def rss_gb() -> float:
+    """This process's resident memory (Linux), GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
 def produce(args: argparse.Namespace) -> None:
     """Producer ``args.produce`` of ``args.producers``: its share of ``args.batches``
     batches' groups, one put each, waiting while ``args.ahead`` batches are pending."""
+    die_with_parent()  # the trainer's process: however it ends
     retain_freed_memory()
     template = paper_template(args)
     rows = args.paper_prompts * args.group_size
@@ -80,10 +89,10 @@ def produce(args: argparse.Namespace) -> None:
             assert c.put(paper_group(template, p, args.experts)).ok
 
 
-def make_prepare(args: argparse.Namespace, done_at: list[float]):
+def make_prepare(args: argparse.Namespace, done_at: list[float], prepare_s: list[float]):
     """What the loop does with a batch before its step: nothing, or (``--make-batch``)
-    ``Trainer.prepare``'s padding and placing; appends the time it finished to
-    ``done_at`` (the end of the fetch)."""
+    ``Trainer.prepare``'s padding and placing (its seconds appended to ``prepare_s``);
+    appends the time it finished to ``done_at`` (the end of the fetch)."""
     import jax
 
     from satjax.train.batch import make_batch
@@ -92,9 +101,11 @@ def make_prepare(args: argparse.Namespace, done_at: list[float]):
 
     def prepare(trajectories):
         if args.make_batch:
+            t0 = time.perf_counter()
             batch = make_batch(trajectories, buckets=buckets, num_layers_moe=args.layers,
                                top_k=args.topk)
             trajectories = jax.block_until_ready(jax.device_put(batch))
+            prepare_s.append(time.perf_counter() - t0)
         done_at.append(time.perf_counter())
         return trajectories
 
@@ -129,8 +140,10 @@ def consume(args: argparse.Namespace) -> None:
     producers: list[subprocess.Popen] = []
     trainer = client(port, compact_routes=True)  # as satjax train's
     done_at: list[float] = []
+    prepare_s: list[float] = []
     source = BatchSource(Peers(), trainer, rows=rows, max_lag=MAX_LAG,
-                         prepare=make_prepare(args, done_at), rows_per_call=args.get_rows)
+                         prepare=make_prepare(args, done_at, prepare_s),
+                         rows_per_call=args.get_rows)
     waits: dict[str, list[float]] = {"off": [], "on": []}
     fetches: dict[str, list[float]] = {"off": [], "on": []}
     try:
@@ -161,7 +174,8 @@ def consume(args: argparse.Namespace) -> None:
                         waits[mode].append(wait)
                         fetches[mode].append(fetch)
                     print(f"  prefetch {mode:3s} step {i}: waited {wait:6.2f} s, its fetch "
-                          f"took {fetch:6.2f} s{'' if i else ' (not counted)'}", flush=True)
+                          f"took {fetch:6.2f} s, trainer RSS {rss_gb():.1f} GB"
+                          f"{'' if i else ' (not counted)'}", flush=True)
         for p in producers:
             assert p.wait(timeout=60) == 0, "a producer failed"
     finally:
@@ -181,6 +195,9 @@ def consume(args: argparse.Namespace) -> None:
               f"{verdict}; {w.mean():.2f} s per {args.step_s:g} s step (min {w.min():.2f}, "
               f"max {w.max():.2f}, {len(w)} steps); the fetch took "
               f"{np.mean(fetches[mode]):.2f} s", flush=True)
+    if prepare_s:
+        print(f"make_batch + jax.device_put of a batch: {np.mean(prepare_s):.2f} s (mean of "
+              f"{len(prepare_s)}; part of each fetch)", flush=True)
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ from satjax.queue.codec import encode  # noqa: E402
 from satjax.queue.core import QueueSettings, TrajectoryQueue  # noqa: E402
 from satjax.queue.store import FSYNC_POLICIES  # noqa: E402
 from satjax.trajectory import Trajectory  # noqa: E402
-from satjax.utils import free_port, retain_freed_memory  # noqa: E402
+from satjax.utils import die_with_parent, free_port, retain_freed_memory  # noqa: E402
 
 TOKEN = "bench-token-0123456789"  # the server wants >= 16 characters
 MB = 1 << 20
@@ -124,7 +124,9 @@ def disk_rates(directory: str | None, records: list[bytes], group: int) -> dict[
 
 def start(cmd: list[str], marker: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "SATJAX_QUEUE_TOKEN": TOKEN}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    # dies with this process, however it ends (an OOM kill included)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if marker not in line:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ class Delivery:
 
 
 class _Fetch:
-    """One batch being fetched by a background thread; ``done`` once it has a result."""
+    """One batch being fetched by the fetch thread; ``done`` once it has a result."""
 
     def __init__(self, version: int) -> None:
         self.version = version
@@ -67,7 +68,6 @@ class _Fetch:
         self.reply: TrajectoryBatch | None = None
         self.batch: Any = None  # prepared in the thread (single-process runs)
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
 
 
 class BatchSource:
@@ -103,33 +103,42 @@ class BatchSource:
         # a batch placed by the fetch thread needs no collective: single-process runs only
         self._prepare_in_thread = peers.count == 1
         self._first_call = True  # the first GetBatch re-reads what no trainer acknowledged
-        self._fetch: _Fetch | None = None
+        self._fetch: _Fetch | None = None  # the fetch requested and not yet taken by next()
         self._cancel = threading.Event()
+        # One thread for all fetches, started by the first: a thread per batch would leave
+        # each batch's freed buffers in a malloc arena the next thread does not reuse
+        # (measured: the process grew by a batch per step).
+        self._requests: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     # -- the fetch thread (primary) -------------------------------------------------------
     def prefetch(self, version: int) -> None:
-        """Starts fetching the batch trained at policy ``version`` (primary: in a background
+        """Starts fetching the batch trained at policy ``version`` (primary: in the fetch
         thread; other processes: nothing to do). One fetch at a time: :meth:`next` takes it."""
         if not self.peers.primary:
             return
         if self._fetch is not None:
             raise RuntimeError(f"prefetch: the batch for version {self._fetch.version} is "
                                "still to be taken by next()")
-        fetch = _Fetch(version)
-        fetch.thread = threading.Thread(target=self._run, args=(fetch,), daemon=True,
-                                        name=f"batch-fetch-v{version}")
-        self._fetch = fetch
-        fetch.thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True,
+                                            name="batch-fetch")
+            self._thread.start()
+        self._fetch = _Fetch(version)
+        self._requests.put(self._fetch)
 
-    def _run(self, fetch: _Fetch) -> None:
-        try:
-            fetch.reply = self._get(fetch.version)
-            if fetch.reply is not None and self._prepare_in_thread:
-                fetch.batch = self.prepare(fetch.reply.trajectories)
-        except BaseException as e:  # raised on the main thread by next()
-            fetch.error = e
-        finally:
-            fetch.done.set()
+    def _serve(self) -> None:
+        """The fetch thread: one fetch after another, until close() sends None."""
+        while (fetch := self._requests.get()) is not None:
+            try:
+                fetch.reply = self._get(fetch.version)
+                if fetch.reply is not None and self._prepare_in_thread:
+                    fetch.batch = self.prepare(fetch.reply.trajectories)
+            except BaseException as e:  # raised on the main thread by next()
+                fetch.error = e
+            finally:
+                fetch.done.set()
+            del fetch  # the batch is next()'s now: not held here until the next request
 
     def _get(self, version: int) -> TrajectoryBatch | None:
         """The GetBatch calls of one batch, repeated until it is whole (None: cancelled;
@@ -165,7 +174,7 @@ class BatchSource:
         if self._fetch is None:
             self.prefetch(version)
         fetch = self._fetch
-        assert fetch is not None and fetch.thread is not None
+        assert fetch is not None
         if fetch.version != version:
             raise RuntimeError(f"next: asked for the batch of version {version}, the one in "
                                f"flight is for version {fetch.version}")
@@ -175,7 +184,6 @@ class BatchSource:
                 return None
             self.on_poll()
         self._fetch = None
-        fetch.thread.join()
         if fetch.error is not None:
             raise fetch.error
         return fetch
@@ -210,8 +218,9 @@ class BatchSource:
         not acknowledged, so the queue delivers it again to the next trainer."""
         self._cancel.set()
         fetch, self._fetch = self._fetch, None
-        if fetch is not None and fetch.thread is not None:
-            fetch.thread.join(timeout=CALL_S + 60.0)  # a call's own deadline (QueueClient)
-            if fetch.reply is not None:
-                log.info("a batch fetched for version %d (cursor %d) was not trained on; "
-                         "the queue delivers it again", fetch.version, fetch.reply.cursor)
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread.join(timeout=CALL_S + 60.0)  # a call's own deadline (QueueClient)
+        if fetch is not None and fetch.reply is not None:
+            log.info("a batch fetched for version %d (cursor %d) was not trained on; the "
+                     "queue delivers it again", fetch.version, fetch.reply.cursor)

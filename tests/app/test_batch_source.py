@@ -3,8 +3,10 @@ is fetched and prepared while the step runs, at the version it is trained at, an
 fetched but never trained on is delivered again to the next trainer. The step is a sleep:
 the devices busy, the host free, as while a jitted step runs."""
 
+import dataclasses
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from satjax.app import batch_source
 from satjax.app.batch_source import BatchSource
 from satjax.app.multihost import Peers
 from satjax.queue.client import QueueClient, QueueLeaseError
+from satjax.queue.core import QueueSettings
 from satjax.queue.server import QueueServer
 from satjax.trajectory import Trajectory
 
@@ -194,3 +197,55 @@ def test_a_batch_larger_than_one_call_is_fetched_in_whole_groups(queue):
         assert client.ack(got.reply.cursor) == 2 * GROUP  # one cursor covers both calls
     finally:
         source.close()
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_fetched_batches_are_freed_once_trained(tmp_path):
+    """Twelve 32 MB batches (64 trajectories of ~0.5 MB, the paper's shape) through the
+    source, each dropped after its "step": the process grows by about a batch or two (the
+    one in hand, the one prefetched), not by a batch per step (as when every fetch ran
+    on a fresh thread, whose malloc arena the next one did not reuse). A batch is held by
+    no one once the loop drops it."""
+    server = QueueServer(tmp_path / "q", TOKEN, settings=QueueSettings(cache_bytes=0))
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN, compact_routes=True,
+                         max_message_mb=128)
+    rng = np.random.default_rng(0)
+    template = Trajectory(
+        trajectory_id="t", group_id="g", prompt_id="p",
+        prompt_tokens=rng.integers(3, 1000, 256, dtype=np.int32),
+        response_tokens=rng.integers(3, 1000, 1024, dtype=np.int32),
+        behavior_logprobs=-rng.random(1024, dtype=np.float32), policy_version=0, reward=1.0,
+        group_size=16, routed_experts=rng.integers(0, 128, (1279, 48, 8), dtype=np.uint8))
+    rows, steps = 64, 12
+    source = BatchSource(Peers(), client, rows=rows, max_lag=steps, prepare=lambda t: None)
+    grown = []
+    try:
+        for v in range(steps):
+            client.put([dataclasses.replace(template, trajectory_id=f"t{v}-{i}",
+                                            group_id=f"g{v}-{i // 16}")
+                        for i in range(rows)], strict=True)
+            if v == 2:
+                base = _rss_bytes()
+            got = source.next(v, _never)
+            assert got is not None and got.reply is not None
+            if v + 1 < steps:
+                source.prefetch(v + 1)
+            client.ack(got.reply.cursor)
+            held = weakref.ref(got.trajectories[0])
+            del got
+            assert held() is None
+            if v >= 2:
+                grown.append(_rss_bytes() - base)
+    finally:
+        source.close()
+        client.close()
+        server.stop(1.0)
+    batch = rows * 0.5e6
+    assert max(grown) < 3 * batch, [f"{g / 1e6:.0f} MB" for g in grown]
