@@ -67,7 +67,7 @@ from satjax.queue.codec import encode  # noqa: E402
 from satjax.queue.core import QueueSettings, TrajectoryQueue  # noqa: E402
 from satjax.queue.store import FSYNC_POLICIES  # noqa: E402
 from satjax.trajectory import Trajectory  # noqa: E402
-from satjax.utils import free_port, retain_freed_memory  # noqa: E402
+from satjax.utils import die_with_parent, free_port, retain_freed_memory  # noqa: E402
 
 TOKEN = "bench-token-0123456789"  # the server wants >= 16 characters
 MB = 1 << 20
@@ -124,7 +124,9 @@ def disk_rates(directory: str | None, records: list[bytes], group: int) -> dict[
 
 def start(cmd: list[str], marker: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "SATJAX_QUEUE_TOKEN": TOKEN}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    # dies with this process, however it ends (an OOM kill included)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=die_with_parent)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if marker not in line:
@@ -271,6 +273,24 @@ def report(args: argparse.Namespace, fsync: str, r: dict[str, float]) -> None:
               f"the transfer and the disk fully overlapped")
 
 
+def paper_template(args: argparse.Namespace) -> list[Trajectory]:
+    """One group of the ``--paper`` load: ``group_size`` trajectories of ``prompt`` +
+    ``response`` tokens with ``layers`` x top-``topk`` routes of ``experts`` experts; its
+    routes narrowed once here, so that encoding a fresh id per trajectory is one copy."""
+    return [dataclasses.replace(t, routed_experts=t.routed_experts.astype(np.uint8))
+            for t in (make_traj(i, args.prompt, args.response, args.layers, args.topk,
+                                args.experts, args.group_size)
+                      for i in range(args.group_size))]
+
+
+def paper_group(template: list[Trajectory], p: int, experts: int) -> list[bytes]:
+    """Group ``p`` of the load: ``template`` under fresh ids (the queue de-duplicates on
+    ``trajectory_id``), encoded for the wire as a worker puts it."""
+    return [encode(dataclasses.replace(t, trajectory_id=f"p{p}-{j}", group_id=f"g{p}",
+                                       prompt_id=f"p{p}"), num_experts=experts)
+            for j, t in enumerate(template)]
+
+
 def paper(args: argparse.Namespace, fsync: str) -> None:
     """Seconds per training step of ``args.paper_prompts`` x ``group_size`` trajectories:
     every group put (one call each, as a worker does), taken by GetBatch calls of
@@ -279,11 +299,7 @@ def paper(args: argparse.Namespace, fsync: str) -> None:
     if args.paper_get % g:
         raise SystemExit(f"--paper-get: must be a multiple of --group-size {g}, "
                          f"got {args.paper_get}")
-    template = [make_traj(i, args.prompt, args.response, args.layers, args.topk,
-                          args.experts, g) for i in range(g)]
-    # routes narrowed once here: encoding a fresh id per trajectory is then one copy
-    template = [dataclasses.replace(t, routed_experts=t.routed_experts.astype(np.uint8))
-                for t in template]
+    template = paper_template(args)
     traj_bytes = len(encode(template[0], num_experts=args.experts))
     total = prompts * g * traj_bytes
     data_dir = Path(tempfile.mkdtemp(prefix="bench-queue-paper-", dir=args.data_dir))
@@ -303,11 +319,6 @@ def paper(args: argparse.Namespace, fsync: str) -> None:
         return QueueClient(f"127.0.0.1:{port}", token=TOKEN, max_message_mb=MAX_MESSAGE_MB,
                            compact_routes=True, consumer_id="bench")
 
-    def group(p: int) -> list[bytes]:
-        return [encode(dataclasses.replace(t, trajectory_id=f"p{p}-{j}", group_id=f"g{p}",
-                                           prompt_id=f"p{p}"), num_experts=args.experts)
-                for j, t in enumerate(template)]
-
     client = new_client()
     producers = [new_client() for _ in range(args.paper_producers)] if (
         args.paper_producers > 1) else []
@@ -317,14 +328,14 @@ def paper(args: argparse.Namespace, fsync: str) -> None:
         if producers:
             def work(k: int) -> None:
                 for p in range(k, prompts, len(producers)):
-                    assert producers[k].put(group(p)).ok
+                    assert producers[k].put(paper_group(template, p, args.experts)).ok
 
             t0 = time.perf_counter()
             with futures.ThreadPoolExecutor(len(producers)) as pool:
                 list(pool.map(work, range(len(producers))))
             put_s = time.perf_counter() - t0
         for p in range(prompts if not producers else 0):
-            raws = group(p)
+            raws = paper_group(template, p, args.experts)
             t0 = time.perf_counter()
             assert client.put(raws).ok
             put_s += time.perf_counter() - t0

@@ -3,7 +3,9 @@
     queue server (subprocess) <- rollout workers (subprocesses, built-in engine or vLLM)
          |                                   ^
          v                                   | weights v+1 (ShardedPublisher: background, canary)
-    trainer: get_batch(max_lag) -> make_batch -> jitted SAT-GSPO step -> publish
+    trainer: BatchSource.next -> jitted SAT-GSPO step -> publish -> checkpoint
+             (the next batch's GetBatch, make_batch and placing run while the step does:
+             ``satjax/app/batch_source.py``)
 
 Queue acks follow checkpoints: the batches trained on since the last checkpoint are
 acknowledged (all of them, however their groups completed) only once a checkpoint holding
@@ -277,8 +279,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     process trains on the batch process 0 read (``satjax.app.multihost``), checkpoints
     cooperatively and takes part in publishing.
     """
-    from satjax.app.multihost import Peers, Poll
-    from satjax.queue.client import (  # imported late: grpc is heavy
+    from satjax.app.batch_source import BatchSource  # imported late: grpc is heavy
+    from satjax.app.multihost import Peers
+    from satjax.queue.client import (
         QueueClient,
         QueueUnavailableError,
     )
@@ -317,7 +320,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         mlog = stack.enter_context(MetricsLogger(dirs.logs, resume_step=resume_step)) \
             if primary else None
         address = cfg.queue.address or f"127.0.0.1:{free_port()}"
-        client = QueueClient(address, token=token) if primary else None
+        # routes as the wire's uint8/uint16 views: make_batch widens them once, into the
+        # batch; decoded to int32 they would take 4x the bytes, twice with one prefetched
+        client = QueueClient(address, token=token, compact_routes=True) if primary else None
         if primary:
             assert client is not None
 
@@ -340,7 +345,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
                     timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
         say(f"publishing weights v{trainer.policy_version}")
+        t0 = time.perf_counter()
         trainer.publish()
+        # each record times the loop since the previous one: the previous step's publish
+        # and checkpoint (they follow its record), the wait for this step's batch, the step
+        tail = {"time/publish_s": time.perf_counter() - t0, "time/checkpoint_s": 0.0}
         if primary:
             status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
                    f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers
@@ -354,57 +363,45 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         bar = Progress("rl", cfg.train.steps, initial=trainer.step, enabled=progress,
                        log_every=log_every) if primary else None
         t_last = time.time()
-        first_batch = True  # after a restart, re-read what the lost steps had consumed
         logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
         unacked = PendingAcks()
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
         abandon = False  # set when a multi-process run fails here: no more collectives
-
-        def next_batch():
-            """(trajectories, the primary's TrajectoryBatch) or None to stop; the same
-            answer on every process (any process's stop request stops them all)."""
-            nonlocal first_batch
-            while True:
-                got, poll = None, Poll.STOP if stop.requested else Poll.EMPTY
-                if primary and poll == Poll.EMPTY:
-                    procs.check_alive()
-                    # An empty reply means fewer than n_rows fresh trajectories so far.
-                    got = client.get_batch(n_rows, trainer_version=trainer.policy_version,
-                                           max_lag=cfg.train.max_lag, timeout=5.0,
-                                           redeliver_unacked=first_batch,
-                                           # a resumed trainer fences its dead predecessor
-                                           # explicitly (the queue refuses a 2nd consumer)
-                                           take_over=first_batch and resume)
-                    first_batch = False
-                    poll = Poll.BATCH if got.trajectories else Poll.EMPTY
-                poll, trajectories, any_stop = peers.agree(
-                    poll, got.trajectories if got else None, stop=stop.requested,
-                    num_experts=trainer.model_config.num_experts)
-                if any_stop or poll == Poll.STOP:
-                    return None
-                if poll == Poll.BATCH:
-                    return trajectories, got
+        # after a restart, its first GetBatch re-reads what the lost steps had consumed
+        source = BatchSource(peers, client, rows=n_rows, max_lag=cfg.train.max_lag,
+                             prepare=trainer.prepare,
+                             num_experts=trainer.model_config.num_experts, take_over=resume,
+                             on_poll=procs.check_alive)
 
         try:
             while trainer.step < cfg.train.steps:
-                if first_batch:
+                if not last:
                     say("waiting for the first rollouts (workers load the model and "
                         "compile the sampler)")
-                delivered = next_batch()
+                t0 = time.perf_counter()
+                delivered = source.next(trainer.policy_version, lambda: stop.requested)
                 if delivered is None:
                     break
-                trajectories, got = delivered
+                wait_s = time.perf_counter() - t0
+                if trainer.step + 1 < cfg.train.steps:
+                    # fetched while this step runs, for the version this step makes: the
+                    # queue's stale drops and lags are those of the step that trains it
+                    source.prefetch(trainer.policy_version + 1)
                 if not last:
                     say("compiling the train step (the first step; later ones are fast)")
-                metrics = trainer.train_on(trajectories)
+                t0 = time.perf_counter()
+                metrics = trainer.train_on(delivered.trajectories, delivered.batch)
+                metrics.update({"time/wait_data_s": wait_s,
+                                "time/step_s": time.perf_counter() - t0, **tail})
                 last = metrics
                 if primary:
-                    assert mlog is not None
-                    unacked.add(got.cursor)
+                    assert mlog is not None and delivered.reply is not None
+                    unacked.add(delivered.reply.cursor)
                     trainer.queue_cursor = max(unacked.cursors)
                     now = time.time()
-                    metrics["queue/dropped_stale"] = float(got.dropped_stale)
-                    metrics["trajectories_per_s"] = len(trajectories) / max(now - t_last, 1e-9)
+                    metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
+                    metrics["trajectories_per_s"] = (len(delivered.trajectories)
+                                                     / max(now - t_last, 1e-9))
                     t_last = now
                     # logged before publishing and checkpointing, so that a checkpoint (also
                     # the one a second Ctrl-C forces) never holds a step missing from
@@ -414,11 +411,15 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 logged_step = trainer.step
                 # also when stopping: the write runs in the background, next to the
                 # checkpoint, and leaves the published weights at the checkpointed step
+                t0 = time.perf_counter()
                 trainer.publish()
+                t1 = time.perf_counter()
                 if trainer.save():
                     trainer.ckpt.wait()
                     if primary:
                         unacked.ack(client)
+                tail = {"time/publish_s": t1 - t0,
+                        "time/checkpoint_s": time.perf_counter() - t1}
                 if bar is not None:
                     bar.update(step_postfix(metrics))
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
@@ -450,6 +451,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 checkpointed = trainer.ckpt.latest_step() or 0
                 stop.checkpointed.set()
                 trainer.close()  # also waits for the last publish (raises its error)
+            # after the final checkpoint, before the queue stops: a batch fetched but not
+            # trained on stays unacknowledged, so the queue delivers it again
+            source.close()
             procs.close()  # workers first (reverse start order), then the queue
     return RunOutcome(step=checkpointed, total=cfg.train.steps, last=last,
                       interrupted=interrupted)

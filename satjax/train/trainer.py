@@ -19,7 +19,7 @@ from satjax import parallel
 from satjax.config import Config, TrainConfig
 from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
-from satjax.train.batch import make_batch
+from satjax.train.batch import Batch, make_batch
 from satjax.train.checkpoint import Checkpointer
 from satjax.train.metrics import to_scalars, trajectory_metrics
 from satjax.train.publish import ShardedPublisher
@@ -126,18 +126,28 @@ class Trainer:
         """Blocks until the last :meth:`publish` is visible to workers; raises its error."""
         self.publisher.wait()
 
-    def train_on(self, trajectories) -> dict[str, float]:
-        """One optimizer step on ``trajectories``; returns the step's scalar metrics (the
-        jitted step's own, then :func:`satjax.train.metrics.trajectory_metrics`)."""
+    def prepare(self, trajectories) -> Batch:
+        """``trajectories`` as the step's input: padded into a :class:`Batch` and placed on
+        the mesh. Any thread may call it in a single-process run (a prefetching loop does,
+        while the previous step runs); in a multi-process run placing is a collective
+        (``jax.device_put`` checks that every process passes the same batch), so there every
+        process calls it in the same order, on the thread that runs the step."""
         cfg = self.cfg
-        version = self.policy_version
         batch = make_batch(
             trajectories, buckets=cfg.train.buckets, pad_id=self.tokenizer.pad_id,
             num_layers_moe=len(self.model_config.moe_layer_indices),
             top_k=self.model_config.num_experts_per_tok,
             batch_multiple=parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum,
         )
-        self.state, metrics = self.step_fn(self.state, self.step_fn.place_batch(batch))
+        return self.step_fn.place_batch(batch)
+
+    def train_on(self, trajectories, batch: Batch | None = None) -> dict[str, float]:
+        """One optimizer step on ``trajectories``; returns the step's scalar metrics (the
+        jitted step's own, then :func:`satjax.train.metrics.trajectory_metrics`).
+        ``batch``: their :meth:`prepare`, when made ahead (else made here)."""
+        version = self.policy_version
+        placed = self.prepare(trajectories) if batch is None else batch
+        self.state, metrics = self.step_fn(self.state, placed)
         self.step += 1
         scalars = to_scalars(jax.device_get(metrics))
         if scalars["nonfinite_steps"]:

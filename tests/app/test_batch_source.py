@@ -1,0 +1,251 @@
+"""``BatchSource`` against a real queue server (in this process, loopback): the next batch
+is fetched and prepared while the step runs, at the version it is trained at, and a batch
+fetched but never trained on is delivered again to the next trainer. The step is a sleep:
+the devices busy, the host free, as while a jitted step runs."""
+
+import dataclasses
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+from satjax.app import batch_source
+from satjax.app.batch_source import BatchSource
+from satjax.app.multihost import Peers
+from satjax.queue.client import QueueClient, QueueLeaseError
+from satjax.queue.core import QueueSettings
+from satjax.queue.server import QueueServer
+from satjax.trajectory import Trajectory
+
+TOKEN = "batch-source-test-token-0123456789"
+GROUP = 4
+STEP_S = 1.0  # the fake step
+
+
+def _group(gid: str, version: int = 0) -> list[Trajectory]:
+    rng = np.random.default_rng(abs(hash(gid)) % 1000)
+    return [Trajectory(
+        trajectory_id=f"{gid}-{i}", group_id=gid, prompt_id=f"p-{gid}",
+        prompt_tokens=rng.integers(3, 40, 5, dtype=np.int32),
+        response_tokens=rng.integers(3, 40, 4, dtype=np.int32),
+        behavior_logprobs=-rng.random(4, dtype=np.float32), policy_version=version,
+        reward=float(i % 2), group_size=GROUP) for i in range(GROUP)]
+
+
+def _groups(trajectories: list[Trajectory]) -> list[str]:
+    return sorted({t.group_id for t in trajectories})
+
+
+def _never() -> bool:
+    return False
+
+
+@pytest.fixture
+def queue(tmp_path):
+    server = QueueServer(tmp_path / "q", TOKEN)
+    port = server.start(0)
+    clients: list[QueueClient] = []
+
+    def client() -> QueueClient:  # each its own consumer id, as each trainer start
+        clients.append(QueueClient(f"127.0.0.1:{port}", token=TOKEN))
+        return clients[-1]
+
+    yield client
+    for c in clients:
+        c.close()
+    server.stop(1.0)
+
+
+class Prepared:
+    """A prepare function that records what it made, when, and on which thread."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[list[str], float, bool]] = []
+
+    def __call__(self, trajectories: list[Trajectory]) -> list[str]:
+        groups = _groups(trajectories)
+        self.made.append((groups, time.monotonic(),
+                          threading.current_thread() is threading.main_thread()))
+        return groups
+
+
+def _wait_delivered(client: QueueClient, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.stats()["delivered_unacked"] < n:
+        assert time.monotonic() < deadline, client.stats()
+        time.sleep(0.02)
+
+
+def test_the_next_batch_is_fetched_and_prepared_while_the_step_runs(queue):
+    client = queue()
+    client.put(_group("A") + _group("B") + _group("C"), strict=True)
+    prepare = Prepared()
+    source = BatchSource(Peers(), client, rows=GROUP, max_lag=5, prepare=prepare)
+    try:
+        first = source.next(0, _never)
+        assert first is not None and first.batch == ["A"]
+        source.prefetch(1)
+        start = time.monotonic()
+        time.sleep(STEP_S)  # step 1
+        end = time.monotonic()
+        second = source.next(1, _never)
+        assert second is not None and second.batch == ["B"]
+        groups, made_at, on_main = prepare.made[1]
+        assert groups == ["B"] and not on_main
+        assert start <= made_at < end  # fetched and prepared during step 1
+        # the prefetched batch is a delivery like any other: its cursor comes after step 1's
+        assert second.reply is not None and first.reply is not None
+        assert second.reply.cursor > first.reply.cursor
+
+        # the loop without prefetch: the batch is fetched when asked, after the step
+        time.sleep(STEP_S)  # step 2
+        end = time.monotonic()
+        third = source.next(2, _never)
+        assert third is not None and third.batch == ["C"] and prepare.made[2][1] >= end
+    finally:
+        source.close()
+
+
+def test_the_prefetched_batch_is_asked_at_the_version_it_is_trained_at(queue):
+    """max_lag 0: while step 1 (version 0) runs, the batch of step 2 is fetched for version
+    1, so B (sampled by version 0) is dropped as stale for it and C (version 1) delivered,
+    with lag 0 in the queue's histogram, as when the batch is fetched after the step."""
+    client = queue()
+    client.put(_group("A", 0) + _group("B", 0) + _group("C", 1), strict=True)
+    source = BatchSource(Peers(), client, rows=GROUP, max_lag=0, prepare=_groups)
+    try:
+        first = source.next(0, _never)
+        assert first is not None and first.batch == ["A"]
+        assert first.reply is not None and first.reply.lag_histogram == {0: GROUP}
+        source.prefetch(1)
+        second = source.next(1, _never)
+        assert second is not None and second.batch == ["C"]
+        assert second.reply is not None
+        assert second.reply.lag_histogram == {0: GROUP} and second.reply.dropped_stale == GROUP
+        with pytest.raises(RuntimeError, match="version 3"):  # the loop's version is checked
+            source.prefetch(2)
+            source.next(3, _never)
+    finally:
+        source.close()
+
+
+def test_a_batch_fetched_but_not_trained_is_delivered_again_to_the_next_trainer(queue):
+    """Stop after step 1 with step 2's batch prefetched: the checkpoint's ack covers step 1
+    only, and the resumed trainer (a new consumer taking over) trains B then C, the same
+    sequence as a run that never stopped."""
+    client = queue()
+    client.put(_group("A") + _group("B") + _group("C"), strict=True)
+    source = BatchSource(Peers(), client, rows=GROUP, max_lag=5, prepare=_groups)
+    first = source.next(0, _never)
+    assert first is not None and first.reply is not None
+    source.prefetch(1)
+    _wait_delivered(client, 2 * GROUP)  # B is fetched while step 1 "runs"
+    assert source.next(1, lambda: True) is None  # stop requested: B is not trained on
+    client.ack(first.reply.cursor)  # the checkpoint of step 1
+    source.close()
+    assert client.stats()["delivered_unacked"] == GROUP
+
+    resumed = BatchSource(Peers(), queue(), rows=GROUP, max_lag=5, prepare=_groups,
+                          take_over=True)
+    try:
+        got = [resumed.next(v, _never) for v in (1, 2)]
+        assert [d.batch for d in got if d is not None] == [["B"], ["C"]]
+    finally:
+        resumed.close()
+    with pytest.raises(QueueLeaseError):  # the stopped trainer was fenced
+        client.get_batch(GROUP, trainer_version=1, max_lag=5)
+
+
+def test_stop_and_close_do_not_wait_for_the_data(queue, monkeypatch):
+    """Nothing in the queue: a stop request ends next() within a wake-up, not a poll, and
+    close() ends the fetch in flight within one GetBatch call."""
+    monkeypatch.setattr(batch_source, "CALL_S", 0.5)
+    client = queue()
+    source = BatchSource(Peers(), client, rows=GROUP, max_lag=5, prepare=_groups,
+                         poll_s=30.0)
+    t0 = time.monotonic()
+    assert source.next(0, lambda: time.monotonic() - t0 > 0.5) is None
+    assert time.monotonic() - t0 < 3.0
+    t0 = time.monotonic()
+    source.close()
+    assert time.monotonic() - t0 < 3.0
+    assert not any(t.name.startswith("batch-fetch") for t in threading.enumerate())
+
+
+def test_a_queue_error_in_the_fetch_thread_is_raised_by_next(queue):
+    holder = queue()
+    holder.get_batch(GROUP, trainer_version=0, max_lag=5)  # another trainer holds the queue
+    source = BatchSource(Peers(), queue(), rows=GROUP, max_lag=5, prepare=_groups)
+    try:
+        with pytest.raises(QueueLeaseError):
+            source.next(0, _never)
+    finally:
+        source.close()
+
+
+def test_a_batch_larger_than_one_call_is_fetched_in_whole_groups(queue):
+    client = queue()
+    client.put(_group("A", 0) + _group("B", 0) + _group("C", 1), strict=True)
+    source = BatchSource(Peers(), client, rows=2 * GROUP, max_lag=5, prepare=_groups,
+                         rows_per_call=GROUP)
+    try:
+        got = source.next(1, _never)
+        assert got is not None and got.batch == ["A", "B"] and got.reply is not None
+        assert got.reply.lag_histogram == {1: 2 * GROUP}
+        assert client.ack(got.reply.cursor) == 2 * GROUP  # one cursor covers both calls
+    finally:
+        source.close()
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_fetched_batches_are_freed_once_trained(tmp_path):
+    """Twelve 32 MB batches (64 trajectories of ~0.5 MB, the paper's shape) through the
+    source, each dropped after its "step": the process grows by about a batch or two (the
+    one in hand, the one prefetched), not by a batch per step (as when every fetch ran
+    on a fresh thread, whose malloc arena the next one did not reuse). A batch is held by
+    no one once the loop drops it."""
+    server = QueueServer(tmp_path / "q", TOKEN, settings=QueueSettings(cache_bytes=0))
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN, compact_routes=True,
+                         max_message_mb=128)
+    rng = np.random.default_rng(0)
+    template = Trajectory(
+        trajectory_id="t", group_id="g", prompt_id="p",
+        prompt_tokens=rng.integers(3, 1000, 256, dtype=np.int32),
+        response_tokens=rng.integers(3, 1000, 1024, dtype=np.int32),
+        behavior_logprobs=-rng.random(1024, dtype=np.float32), policy_version=0, reward=1.0,
+        group_size=16, routed_experts=rng.integers(0, 128, (1279, 48, 8), dtype=np.uint8))
+    rows, steps = 64, 12
+    source = BatchSource(Peers(), client, rows=rows, max_lag=steps, prepare=lambda t: None)
+    grown = []
+    try:
+        for v in range(steps):
+            client.put([dataclasses.replace(template, trajectory_id=f"t{v}-{i}",
+                                            group_id=f"g{v}-{i // 16}")
+                        for i in range(rows)], strict=True)
+            if v == 2:
+                base = _rss_bytes()
+            got = source.next(v, _never)
+            assert got is not None and got.reply is not None
+            if v + 1 < steps:
+                source.prefetch(v + 1)
+            client.ack(got.reply.cursor)
+            held = weakref.ref(got.trajectories[0])
+            del got
+            assert held() is None
+            if v >= 2:
+                grown.append(_rss_bytes() - base)
+    finally:
+        source.close()
+        client.close()
+        server.stop(1.0)
+    batch = rows * 0.5e6
+    assert max(grown) < 3 * batch, [f"{g / 1e6:.0f} MB" for g in grown]
