@@ -46,7 +46,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,8 +61,8 @@ MANIFEST = "manifest.json"
 STAGING_SUFFIX = ".staging"
 FULL, DELTA = "full", "delta"  # the manifest's "kind"
 DELTA_PREFIX = "delta-"  # delta files: delta-00001-of-00004.safetensors
-# zstd level of the deltas: level 1 is ~3x faster than the default 3 on these mostly-zero
-# XORs and within a few percent of its size (benchmarks/bench_publish.py)
+# zstd level of the deltas: on these mostly-zero XORs level 1 compresses as well as the
+# default 3 and a little faster; negative (faster) levels lose much of the ratio
 DELTA_LEVEL = 1
 APPLY_THREADS = 8  # tensors a reader decompresses and XORs at once (zstd releases the GIL)
 
@@ -420,10 +420,6 @@ class WeightMirror:
             list(pool.map(apply, entries))
         self.version, self.id = int(manifest["version"]), manifest["id"]
         return sorted(entries)
-
-    def raw(self, names: Iterable[str] | None = None) -> dict[str, RawTensor]:
-        """The tensors named (None: all)."""
-        return dict(self.tensors) if names is None else {n: self.tensors[n] for n in names}
 
 
 def check_canary(
