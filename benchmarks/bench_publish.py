@@ -217,10 +217,15 @@ def delta_figures(steps: int, directory: str) -> None:
     from benchmarks.bench_train_step import synthetic_batch
     from satjax import parallel
     from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from satjax.train.publish import ShardedPublisher
+    from satjax.train.publish import WRITE_THREADS, ShardedPublisher
     from satjax.train.state import TrainState, make_optimizer
     from satjax.train.step import make_train_step
-    from satjax.weight_sync import WeightMirror, WeightPublisher, WeightSubscriber
+    from satjax.weight_sync import (
+        WeightMirror,
+        WeightPublisher,
+        WeightSubscriber,
+        encode_delta,
+    )
 
     cfg = Qwen3MoeConfig.tiny(**BIG)
     mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
@@ -265,9 +270,17 @@ def delta_figures(steps: int, directory: str) -> None:
         read_s = time.perf_counter() - t0
         apply_s = []
         for version in range(1, steps + 1):
+            if version == steps:  # version steps - 1, to time the encoding of the last delta
+                before = {k: t.data.copy() for k, t in mirror.tensors.items()}
             t0 = time.perf_counter()
             mirror.apply_delta(sub.checkpoint_dir(version))
             apply_s.append(time.perf_counter() - t0)
+        # what each thread of a publishing process does per tensor, in one thread here
+        t0 = time.perf_counter()
+        encoded = sum(len(encode_delta(t.data, before[k]) or b"")
+                      for k, t in mirror.tensors.items())
+        encode_s = time.perf_counter() - t0
+        del before
         last = WeightMirror()
         last.load_full(WeightSubscriber(roots["full"]).checkpoint_dir(steps))
         exact = last.tensors.keys() == mirror.tensors.keys() and all(
@@ -291,15 +304,22 @@ def delta_figures(steps: int, directory: str) -> None:
           f"{statistics.median(apply_s):.2f} s (median); deltas 1..{steps} applied to "
           f"version 0 rebuild version {steps} bit for bit: {'yes' if exact else 'NO'}",
           flush=True)
+    encode_gbs = full_b / encode_s / 1e9
+    print(f"encoding the last delta (XOR + zstd of every tensor, 1 thread): {encode_s:.2f} s, "
+          f"{encode_gbs:.2f} GB/s of weights, {encoded / 1e9:.3f} GB", flush=True)
     paper = 2 * PAPER_PARAMS  # bf16 bytes
     scale = paper / full_b
-    print(f"extrapolated to Qwen3-30B-A3B ({PAPER_PARAMS / 1e9:.1f}B parameters, bf16: "
-          f"{paper / 1e9:.1f} GB per full version), at this machine's measured rates and "
-          f"this ratio, 1 process: full {paper / 1e9:.1f} GB, {full_s * scale:.0f} s; delta "
-          f"{paper / ratio / 1e9:.1f} GB, {delta_s * scale:.0f} s; worker apply "
-          f"{statistics.median(apply_s) * scale:.0f} s vs full read {read_s * scale:.0f} s; "
-          f"with a keyframe every 10 versions {(paper + 9 * paper / ratio) / 10 / 1e9:.1f} GB "
-          f"per version on average", flush=True)
+    delta_paper = paper / ratio
+    print(f"extrapolated to Qwen3-30B-A3B ({PAPER_PARAMS / 1e9:.1f}B parameters, bf16 "
+          f"{paper / 1e9:.1f} GB per full version) with this ratio and these rates: a delta "
+          f"{delta_paper / 1e9:.1f} GB; with a keyframe every 10 versions "
+          f"{(paper + 9 * delta_paper) / 10 / 1e9:.1f} GB per version on average. Writing at "
+          f"this run's full-publish rate ({full_b / full_s / 1e9:.2f} GB/s, 1 process): full "
+          f"{full_s * scale:.0f} s, a delta's bytes {delta_paper / (full_b / full_s):.0f} s "
+          f"plus {paper / 1e9 / encode_gbs:.0f} thread-seconds of encoding, split over every "
+          f"process's {WRITE_THREADS} threads; a worker applies a delta in "
+          f"{statistics.median(apply_s) * scale:.0f} s vs reading a full version in "
+          f"{read_s * scale:.0f} s (this machine's 2 cores)", flush=True)
 
 
 def main() -> None:

@@ -267,3 +267,16 @@ def test_version_complete_waits_for_every_file_the_manifest_lists(chain):
     held = path / "delta-00002-of-00002.safetensors"
     held.rename(path / "elsewhere")
     assert not version_complete(path, manifest)
+
+
+def test_the_vllm_plugin_side_imports_no_jax():
+    """vLLM imports satjax.rollout.vllm_ext (and through it satjax.weight_sync) inside its
+    own venv, which has no jax."""
+    import subprocess
+    import sys
+
+    code = ("import sys, satjax.weight_sync, satjax.rollout.vllm_ext; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
