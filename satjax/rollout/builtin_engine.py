@@ -23,7 +23,7 @@ from satjax.model import DTYPES, Qwen3MoeForCausalLM, canary_logprobs, from_pret
 from satjax.model.hf_io import numpy_dtype, set_hf_tensors
 from satjax.model.sampling import Samples, generate
 from satjax.rollout.engine import Completion, SamplingParams
-from satjax.weight_sync import WeightMirror
+from satjax.weight_sync import WeightMirror, WeightSubscriber, check_canary
 
 
 class BuiltinEngine:
@@ -76,6 +76,22 @@ class BuiltinEngine:
         if self.model is None:
             raise RuntimeError("BuiltinEngine.canary_logprobs before load()")
         return canary_logprobs(self.model, tokens)
+
+
+def published_model(subscriber: WeightSubscriber, version: int) -> Qwen3MoeForCausalLM:
+    """The float32 model of published ``version``: its full version, or rebuilt from the
+    keyframe of its chain and the deltas after it; canary-checked."""
+    engine = BuiltinEngine("float32")
+    steps = subscriber.sync_plan(version, None)
+    engine.load(steps[0].path, steps[0].version)
+    if len(steps) > 1:
+        engine.apply_deltas([s.path for s in steps[1:]], version)
+    manifest = steps[-1].manifest
+    if manifest.get("canary"):
+        check_canary(manifest, engine.canary_logprobs(list(manifest["canary"]["tokens"])),
+                     atol=engine.canary_atol)
+    assert engine.model is not None
+    return engine.model
 
 
 def completions(prompts: list[list[int]], samples: Samples) -> list[Completion]:
