@@ -23,6 +23,9 @@ files, ``WRITE_THREADS`` at a time, fsynced. Other processes then drop a ``.done
 marker into the staging directory (``.failed-<p>`` with the error if they failed);
 process 0 waits for all of them, writes ``config.json``, the index and the manifest
 (with the canary) and renames.
+The background part uses the file system only, never a JAX collective, so it cannot
+interleave with the train step's collectives. The next ``publish`` (and ``wait``) first
+joins the previous one and raises its error.
 
 Deltas (:mod:`satjax.weight_sync`): every ``keyframe_every``-th version is full, the
 others are deltas of the version before. Each process keeps the host copy of its tensors
@@ -30,9 +33,6 @@ from the previous publish and writes, per file of the plan, the zstd-compressed 
 each changed tensor against it (:func:`write_process_deltas`); who writes what is the
 same plan. Process 0 writes the manifest (kind, base), after checking that every process
 wrote against the same base.
-The background part uses the file system only, never a JAX collective, so it cannot
-interleave with the train step's collectives. The next ``publish`` (and ``wait``) first
-joins the previous one and raises its error.
 """
 
 from __future__ import annotations
@@ -388,7 +388,6 @@ class ShardedPublisher:
 
     def _compile(self, model: Qwen3MoeForCausalLM) -> _Compiled:
         tensors = hf_tensors(model.config)
-
         dtype = self.dtype
 
         def convert(params):  # copies even where to_hf is the identity (see publish)
