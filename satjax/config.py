@@ -143,6 +143,8 @@ class TrainConfig:
     replay: bool = True
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
+    # published weights: every Nth version full, the others XOR deltas of the one before
+    keyframe_every: int = 10
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
     preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -342,6 +344,7 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.max_lag >= 0, "train.max_lag", ">= 0")
     need(cfg.train.learning_rate > 0, "train.learning_rate", "> 0")
     need(cfg.train.grad_accum >= 1, "train.grad_accum", ">= 1")
+    need(cfg.train.keyframe_every >= 1, "train.keyframe_every", ">= 1 (1: every version full)")
     need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
          "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
     buckets = cfg.train.buckets

@@ -20,24 +20,51 @@ Layout (version directory names come from :func:`satjax.run_dir.version_dir`)::
                         model-00001-of-00002.safetensors, ..., manifest.json}
     sync_dir/LATEST     "12"
     sync_dir/TARGET     "10"   (optional)
+
+**Delta versions.** A version is either *full* (the complete checkpoint above, a
+"keyframe") or a *delta* of an earlier version, its ``base``: for every tensor whose bytes
+changed, the zstd-compressed XOR of its bytes with the base's (:func:`encode_delta`),
+stored as a ``uint8`` tensor of that name in ``delta-0000i-of-0000N.safetensors`` files
+(no ``config.json``: a delta is not a checkpoint). The manifest says which::
+
+    {"version": 12, "id": "<uuid>", "kind": "delta", "base": 11, "base_id": "<uuid of 11>",
+     "files": {"delta-00001-of-00004.safetensors": 123456, ...}, "canary": {...}}
+
+``id`` names one publish, so that a delta is applied only to the very bytes it was made
+against (a restarted trainer publishes the same version numbers again). A reader follows
+``base`` links back to a full version (:meth:`WeightSubscriber.chain`) and moves its host
+copy (:class:`WeightMirror`) along them; the publisher keeps every version on the chains
+of the versions it keeps. The canary of the version reached is checked after every
+reconstruction, so a wrong delta fails like a wrong checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
+import zstandard
 
 from satjax.run_dir import parse_version_dir, version_dir
 from satjax.utils import atomic_write, fsync_dir
 
 MANIFEST = "manifest.json"
 STAGING_SUFFIX = ".staging"
+FULL, DELTA = "full", "delta"  # the manifest's "kind"
+DELTA_PREFIX = "delta-"  # delta files: delta-00001-of-00004.safetensors
+# zstd level of the deltas: on these mostly-zero XORs level 1 compresses as well as the
+# default 3 and a little faster; negative (faster) levels lose much of the ratio
+DELTA_LEVEL = 1
+APPLY_THREADS = 8  # tensors a reader decompresses and XORs at once (zstd releases the GIL)
 
 
 class WeightSyncError(RuntimeError):
@@ -45,7 +72,8 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightPublisher:
-    """Writes versions into ``sync_dir``; keeps the newest ``keep`` of them."""
+    """Writes versions into ``sync_dir``; keeps the newest ``keep`` of them, the ``TARGET``
+    and every version their delta chains need."""
 
     def __init__(self, sync_dir: str | os.PathLike[str], *, keep: int = 3) -> None:
         if keep < 1:
@@ -66,10 +94,13 @@ class WeightPublisher:
         canary: dict[str, Any] | None = None,
         target_version: int | None = None,
         staging: Path | None = None,
+        base: int | None = None,
     ) -> Path:
         """Publishes ``version``. ``write_checkpoint(dir)`` writes the weights into ``dir``
-        (normally ``lambda d: save_pretrained(model, d)``). ``canary`` holds
-        ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer at this version.
+        (normally ``lambda d: save_pretrained(model, d)``; for a delta, the delta files).
+        ``canary`` holds ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer
+        at this version. ``base``: the published version this one is a delta of (None: a
+        full version); raises :class:`WeightSyncError` if it is not published.
         ``staging`` is a :meth:`staging_dir` other processes already wrote into (default:
         a fresh one). On any error the staging directory is removed and nothing is
         visible."""
@@ -79,9 +110,18 @@ class WeightPublisher:
         tmp = staging or self.staging_dir(version, uuid.uuid4().hex)
         tmp.mkdir(exist_ok=True)
         try:
+            manifest: dict[str, Any] = {"version": int(version), "id": uuid.uuid4().hex,
+                                        "kind": FULL}
+            if base is not None:
+                if not base < version:
+                    raise WeightSyncError(f"version {version}: a delta's base must be older, "
+                                          f"got {base}")
+                manifest.update(kind=DELTA, base=int(base),
+                                base_id=WeightSubscriber(self.sync_dir).manifest(base)["id"])
             write_checkpoint(tmp)
-            manifest = {"version": int(version), "published_unix": time.time(),
-                        "canary": canary}
+            files = sorted(f for f in tmp.iterdir() if not f.name.startswith("."))
+            manifest.update(files={f.name: f.stat().st_size for f in files},
+                            published_unix=time.time(), canary=canary)
             atomic_write(tmp / MANIFEST, json.dumps(manifest))
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
@@ -98,9 +138,24 @@ class WeightPublisher:
         return final
 
     def _collect(self, protect: int | None, published: int) -> None:
-        versions = sorted(published_versions(self.sync_dir))
-        for v in versions[: -self.keep]:
-            if v != protect:
+        versions = published_versions(self.sync_dir)
+        wanted = set(versions[-self.keep:])
+        if protect in versions:
+            wanted.add(protect)
+        needed: set[int] = set()
+        sub = WeightSubscriber(self.sync_dir)
+        for v in wanted:  # each with the chain of bases it is rebuilt from
+            while v not in needed:
+                needed.add(v)
+                try:
+                    manifest = sub.manifest(v)
+                except (WeightSyncError, OSError, ValueError):
+                    break
+                if manifest.get("kind", FULL) == FULL:
+                    break
+                v = manifest["base"]
+        for v in versions:
+            if v not in needed:
                 shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
         # staging left by a crashed or failed publish; one of a newer version may be in use
         for p in self.sync_dir.glob(f".*{STAGING_SUFFIX}"):
@@ -129,8 +184,21 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+class Published(NamedTuple):
+    """One published version: its number, directory and manifest."""
+
+    version: int
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def is_delta(self) -> bool:
+        return self.manifest.get("kind", FULL) == DELTA
+
+
 class WeightSubscriber:
-    """The worker side: which version to serve, where it is, and its canary."""
+    """The worker side: which version to serve, where it is, its canary, and the versions
+    to read to get there."""
 
     def __init__(self, sync_dir: str | os.PathLike[str]) -> None:
         self.sync_dir = Path(sync_dir)
@@ -151,13 +219,39 @@ class WeightSubscriber:
         return path
 
     def manifest(self, version: int) -> dict[str, Any]:
-        data = json.loads((self.checkpoint_dir(version) / MANIFEST).read_text())
-        if data.get("version") != version:
-            raise WeightSyncError(
-                f"manifest of {self.checkpoint_dir(version)} says version "
-                f"{data.get('version')}, expected {version}"
-            )
-        return data
+        return read_manifest(self.checkpoint_dir(version), version)
+
+    def chain(self, version: int) -> list[Published]:
+        """The versions ``version`` is rebuilt from, oldest first: a full version, then
+        each delta of the one before it, ending with ``version``. Raises
+        :class:`WeightSyncError` if a base is gone or is not the publish a delta was made
+        against."""
+        out = [Published(version, self.checkpoint_dir(version), self.manifest(version))]
+        while out[-1].is_delta:
+            delta = out[-1]
+            base = int(delta.manifest["base"])
+            try:
+                got = Published(base, self.checkpoint_dir(base), self.manifest(base))
+            except WeightSyncError as e:
+                raise WeightSyncError(f"version {version} needs version {base} (the base of "
+                                      f"delta {delta.version}), which is gone: {e}") from e
+            if got.manifest.get("id") != delta.manifest["base_id"]:
+                raise WeightSyncError(f"delta {delta.version} was made against another "
+                                      f"publish of version {base} than the one in "
+                                      f"{self.sync_dir}")
+            out.append(got)
+        return out[::-1]
+
+    def sync_plan(self, version: int, have: tuple[int, str | None] | None
+                  ) -> list[Published]:
+        """What a reader holding ``have`` (version, manifest id; None: nothing) reads to
+        serve ``version``, in order: the deltas after ``have`` when ``have`` is on the
+        chain of ``version``, else the chain's full version and every delta after it."""
+        chain = self.chain(version)
+        for i, p in enumerate(chain):
+            if have is not None and (p.version, p.manifest.get("id")) == have:
+                return chain[i + 1:]
+        return chain
 
     def wait_for(self, version: int, timeout: float = 60.0, poll: float = 0.05) -> Path:
         deadline = time.monotonic() + timeout
@@ -168,6 +262,164 @@ class WeightSubscriber:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(poll)
+
+
+def read_manifest(path: Path, version: int | None = None) -> dict[str, Any]:
+    """The manifest of the version directory ``path`` (checked to be ``version``'s)."""
+    data = json.loads((Path(path) / MANIFEST).read_text())
+    if version is not None and data.get("version") != version:
+        raise WeightSyncError(f"manifest of {path} says version {data.get('version')}, "
+                              f"expected {version}")
+    return data
+
+
+def version_complete(path: Path, manifest: dict[str, Any]) -> bool:
+    """Whether every file of the version in ``path`` is there (on a bucket mount the
+    manifest may arrive first): the files its manifest lists, or for a manifest without
+    that list (older publishers) ``config.json`` and the weights the index names."""
+    path = Path(path)
+    if "files" in manifest:
+        return all((path / name).is_file() for name in manifest["files"])
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return all((path / name).is_file() for name in shards)
+    return (path / "model.safetensors").is_file()
+
+
+def delta_file_name(shard_file: str) -> str:
+    """The delta file holding the tensors of full-version file ``shard_file``
+    (``model-00001-of-00004.safetensors`` -> ``delta-00001-of-00004.safetensors``)."""
+    return DELTA_PREFIX + shard_file.removeprefix("model-")
+
+
+def _bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def encode_delta(new: np.ndarray, old: np.ndarray) -> bytes | None:
+    """``zstd(bytes(new) XOR bytes(old))``, or None when the bytes are equal.
+
+    The XOR is zero wherever a value kept its bit pattern (most of a bf16 tensor after a
+    small step), so it compresses far better than the values; decoding is exact
+    (:func:`apply_encoded_delta`). The frame carries its length and a checksum.
+    """
+    a, b = _bytes(new), _bytes(old)
+    if a.size != b.size:
+        raise ValueError(f"encode_delta: {a.size} bytes against {b.size}")
+    x = np.bitwise_xor(a, b)
+    if not x.any():
+        return None
+    return zstandard.ZstdCompressor(level=DELTA_LEVEL, write_checksum=True).compress(x)
+
+
+def apply_encoded_delta(target: np.ndarray, delta: bytes) -> None:
+    """XORs the decoded ``delta`` (:func:`encode_delta`) into the bytes of ``target``
+    (contiguous, writable), turning the base's bytes into the new version's. Raises
+    :class:`WeightSyncError` on a damaged frame or a length that is not ``target``'s."""
+    view = target.reshape(-1).view(np.uint8)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(delta)
+    except zstandard.ZstdError as e:
+        raise WeightSyncError(f"damaged delta: {e}") from e
+    if len(raw) != view.size:
+        raise WeightSyncError(f"delta of {len(raw)} bytes for a tensor of {view.size}")
+    np.bitwise_xor(view, np.frombuffer(raw, np.uint8), out=view)
+
+
+@dataclasses.dataclass
+class RawTensor:
+    """A tensor as stored: safetensors dtype tag (``"BF16"``, ``"F32"`` ...), shape, and
+    its little-endian bytes (``uint8``, writable)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_raw_tensors(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
+    """Every tensor of one safetensors file, as raw bytes (any dtype, no framework): an
+    8-byte little-endian header length, the JSON header ``{name: {dtype, shape,
+    data_offsets}}``, then the data (https://github.com/huggingface/safetensors)."""
+    out = {}
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, stop = h["data_offsets"]
+            data = np.empty(stop - start, np.uint8)
+            f.seek(8 + n + start)
+            if f.readinto(data.data) != data.size:
+                raise WeightSyncError(f"{path}: tensor {name!r} is cut short")
+            out[name] = RawTensor(h["dtype"], tuple(h["shape"]), data)
+    return out
+
+
+class WeightMirror:
+    """A host copy of the tensors of the version a reader serves (raw bytes, the
+    published dtype), moved from version to version by deltas: what a worker keeps to
+    follow delta versions (``BuiltinEngine``; the vLLM plug-in keeps its own).
+
+    ``version`` and ``id`` name the publish it holds (None: nothing, or a failed update).
+    """
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.id: str | None = None
+        self.tensors: dict[str, RawTensor] = {}
+
+    def load_full(self, path: str | os.PathLike[str]) -> None:
+        """Reads the full version in ``path`` (every ``*.safetensors`` file; a checkpoint
+        directory without a manifest is read too, but names no publish to apply deltas
+        to)."""
+        path = Path(path)
+        manifest = read_manifest(path) if (path / MANIFEST).exists() else {}
+        if manifest.get("kind", FULL) != FULL:
+            raise WeightSyncError(f"{path} is a delta, not a full version")
+        self.version = self.id = None
+        self.tensors = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightSyncError(f"no *.safetensors in {path}")
+        for f in files:
+            self.tensors.update(read_raw_tensors(f))
+        self.version, self.id = manifest.get("version"), manifest.get("id")
+
+    def apply_delta(self, path: str | os.PathLike[str]) -> list[str]:
+        """Moves the mirror to the delta version in ``path``, whose base must be the
+        publish it holds; returns the names of the tensors that changed. On an error the
+        mirror holds no version (``version`` None) until the next :meth:`load_full`."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        if manifest.get("kind", FULL) != DELTA:
+            raise WeightSyncError(f"{path} is a full version, not a delta")
+        if self.id is None or manifest["base_id"] != self.id:
+            raise WeightSyncError(
+                f"version {manifest['version']} is a delta of version {manifest['base']} "
+                f"(publish {manifest['base_id']}); the mirror holds version {self.version} "
+                f"(publish {self.id})")
+        self.version = self.id = None
+        entries: dict[str, RawTensor] = {}
+        for name in manifest["files"]:
+            entries.update(read_raw_tensors(path / name))
+        unknown = sorted(set(entries) - set(self.tensors))
+        if unknown:
+            raise WeightSyncError(f"{path}: deltas of tensors the base does not have: "
+                                  f"{unknown[:5]}")
+
+        def apply(name: str) -> None:
+            try:
+                apply_encoded_delta(self.tensors[name].data, entries[name].data.tobytes())
+            except WeightSyncError as e:
+                raise WeightSyncError(f"{path}: tensor {name!r}: {e}") from e
+
+        with ThreadPoolExecutor(APPLY_THREADS) as pool:
+            list(pool.map(apply, entries))
+        self.version, self.id = int(manifest["version"]), manifest["id"]
+        return sorted(entries)
 
 
 def check_canary(

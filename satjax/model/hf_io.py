@@ -13,7 +13,7 @@ import glob
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -165,6 +165,46 @@ def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32
                              f"{param.shape}")
         param.set_value(jnp.asarray(value, param_dtype))
     return model
+
+
+def set_hf_tensors(model: Qwen3MoeForCausalLM, tensors: Mapping[str, np.ndarray],
+                   names: Iterable[str]) -> int:
+    """Sets the parameters of ``model`` holding any of the HF tensors ``names`` from
+    ``tensors`` (HF name -> host array in HF layout, every tensor of the model): a whole
+    parameter from its tensor, a stacked ``[E, ...]`` expert parameter from all its
+    experts' tensors. Values are cast to each parameter's dtype. Returns how many
+    parameters were set."""
+    cfg = model.config
+    to_jax = {name: (spath, f) for name, spath, f, _ in _linear_entries(cfg)}
+    by_path: dict[Path, list[HFTensor]] = {}
+    for t in hf_tensors(cfg):
+        by_path.setdefault(t.path, []).append(t)
+    owner = {t.name: t.path for ts in by_path.values() for t in ts}
+    unknown = sorted(set(names) - set(owner))
+    if unknown:
+        raise ValueError(f"not tensors of this model: {unknown[:10]}")
+    params = _params_by_path(model)
+    paths = {owner[n] for n in names}
+    for path in paths:
+        pieces = by_path[path]
+        if pieces[0].expert is None:
+            value = to_jax[pieces[0].name][1](np.asarray(tensors[pieces[0].name]))
+        else:  # hf_tensors lists the experts in index order; HF [out, in] is ours transposed
+            value = np.stack([np.asarray(tensors[t.name]).T for t in pieces])
+        param = params[path]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"tensor for {path} has shape {value.shape}, expected "
+                             f"{param.shape}")
+        param.set_value(jnp.asarray(value, param.dtype))
+    return len(paths)
+
+
+def numpy_dtype(tag: str) -> np.dtype:
+    """The numpy dtype of safetensors dtype tag ``tag`` (``"BF16"`` -> bfloat16)."""
+    names = {t: n for n, t in _ST_DTYPES.items()}
+    if tag not in names:
+        raise ValueError(f"safetensors dtype must be one of {sorted(names)}, got {tag!r}")
+    return np.dtype(jnp.dtype(names[tag]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,18 @@
 """The built-in engine: the satjax KV-cache sampler on local JAX devices.
 
 It is the embedded default on CPU. Weights arrive as the trainer's published Hugging
-Face checkpoint directories; sampling runs in ``sample_dtype`` (bf16 by default, which is
-how the test bed gets a realistic training-inference mismatch) while the canary runs
-in fp32 so that it checks the weights, not the numerics.
+Face checkpoint directories, or as deltas of the version served (``satjax.weight_sync``):
+a host mirror of the served version's tensors (their published bytes) takes the XOR and
+the model's parameters holding a changed tensor are set from it. Sampling runs in
+``sample_dtype`` (bf16 by default, which is how the test bed gets a realistic
+training-inference mismatch) while the canary runs in fp32 so that it checks the weights,
+not the numerics.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -16,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from satjax.model import DTYPES, Qwen3MoeForCausalLM, canary_logprobs, from_pretrained
+from satjax.model.hf_io import numpy_dtype, set_hf_tensors
 from satjax.model.sampling import Samples, generate
 from satjax.rollout.engine import Completion, SamplingParams
+from satjax.weight_sync import WeightMirror, WeightSubscriber, check_canary
 
 
 class BuiltinEngine:
@@ -31,14 +37,29 @@ class BuiltinEngine:
         self.pad_id = pad_id
         self.model: Qwen3MoeForCausalLM | None = None
         self.version: int | None = None
+        self.mirror = WeightMirror()  # the published bytes of the version served
 
     def load(self, checkpoint_dir: Path, version: int) -> None:
+        self.mirror.load_full(checkpoint_dir)
         self.model = from_pretrained(checkpoint_dir, dtype=jnp.float32)
+        self.version = int(version)
+
+    def apply_deltas(self, delta_dirs: Sequence[Path], version: int) -> None:
+        if self.model is None:
+            raise RuntimeError("BuiltinEngine.apply_deltas before load()")
+        self.version = None  # until the model holds a whole version again
+        changed: set[str] = set()
+        for d in delta_dirs:
+            changed.update(self.mirror.apply_delta(d))
+        tensors = {name: np.frombuffer(t.data, numpy_dtype(t.dtype)).reshape(t.shape)
+                   for name, t in self.mirror.tensors.items()}
+        set_hf_tensors(self.model, tensors, changed)
         self.version = int(version)
 
     def set_model(self, model, version: int) -> None:
         """In-process sync (same host as the trainer): use the given module directly."""
         self.model, self.version = model, int(version)
+        self.mirror = WeightMirror()  # holds no published version: the next sync is full
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int
@@ -55,6 +76,22 @@ class BuiltinEngine:
         if self.model is None:
             raise RuntimeError("BuiltinEngine.canary_logprobs before load()")
         return canary_logprobs(self.model, tokens)
+
+
+def published_model(subscriber: WeightSubscriber, version: int) -> Qwen3MoeForCausalLM:
+    """The float32 model of published ``version``: its full version, or rebuilt from the
+    keyframe of its chain and the deltas after it; canary-checked."""
+    engine = BuiltinEngine("float32")
+    steps = subscriber.sync_plan(version, None)
+    engine.load(steps[0].path, steps[0].version)
+    if len(steps) > 1:
+        engine.apply_deltas([s.path for s in steps[1:]], version)
+    manifest = steps[-1].manifest
+    if manifest.get("canary"):
+        check_canary(manifest, engine.canary_logprobs(list(manifest["canary"]["tokens"])),
+                     atol=engine.canary_atol)
+    assert engine.model is not None
+    return engine.model
 
 
 def completions(prompts: list[list[int]], samples: Samples) -> list[Completion]:

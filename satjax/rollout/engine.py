@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -53,7 +54,15 @@ class Engine(Protocol):
     version: int | None
     canary_atol: float  # how far its canary log-probs may sit from the trainer's (fp32)
 
-    def load(self, checkpoint_dir: Path, version: int) -> None: ...
+    def load(self, checkpoint_dir: Path, version: int) -> None:
+        """Serves the full version (a Hugging Face checkpoint directory) ``version``."""
+        ...
+
+    def apply_deltas(self, delta_dirs: Sequence[Path], version: int) -> None:
+        """Moves the weights served to ``version`` through the delta versions in
+        ``delta_dirs`` (``satjax.weight_sync``), in order: the first a delta of the
+        version served, each next one a delta of the one before."""
+        ...
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int

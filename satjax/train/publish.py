@@ -15,16 +15,24 @@ collective: stacked experts to whole experts per device (an all-to-all, each pro
 receives only its experts), other tensors replicated. No process gathers the model.
 
 Overlap (:class:`ShardedPublisher`): ``publish`` only dispatches jitted work, on every
-process in the same order: a device copy of the parameters in HF layout (transposes done
-by XLA; a copy, so the next step may donate the state), the reshard above if any, and
-the canary forward; then it returns. A background thread copies this process's pieces to
-host memory (into the previous publish's buffers) and writes its files, ``WRITE_THREADS``
-at a time, fsynced. Other processes then drop a ``.done-<p>`` marker into the staging
-directory (``.failed-<p>`` with the error if they failed); process 0 waits for all of
-them, writes ``config.json``, the index and the manifest (with the canary) and renames.
+process in the same order: a device copy of the parameters in HF layout and the published
+dtype (transposes done by XLA; a copy, so the next step may donate the state), the
+reshard above if any, and the canary forward; then it returns. A background thread copies
+this process's pieces to host memory (into buffers of an earlier publish) and writes its
+files, ``WRITE_THREADS`` at a time, fsynced. Other processes then drop a ``.done-<p>``
+marker into the staging directory (``.failed-<p>`` with the error if they failed);
+process 0 waits for all of them, writes ``config.json``, the index and the manifest
+(with the canary) and renames.
 The background part uses the file system only, never a JAX collective, so it cannot
 interleave with the train step's collectives. The next ``publish`` (and ``wait``) first
 joins the previous one and raises its error.
+
+Deltas (:mod:`satjax.weight_sync`): every ``keyframe_every``-th version is full, the
+others are deltas of the version before. Each process keeps the host copy of its tensors
+from the previous publish and writes, per file of the plan, the zstd-compressed XOR of
+each changed tensor against it (:func:`write_process_deltas`); who writes what is the
+same plan. Process 0 writes the manifest (kind, base), after checking that every process
+wrote against the same base.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from satjax.config import TrainConfig
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs
 from satjax.model.hf_io import (
     HFTensor,
@@ -60,7 +69,13 @@ from satjax.model.hf_io import (
 )
 from satjax.run_dir import version_dir
 from satjax.utils import atomic_write
-from satjax.weight_sync import WeightPublisher, WeightSyncError, published_versions
+from satjax.weight_sync import (
+    WeightPublisher,
+    WeightSyncError,
+    delta_file_name,
+    encode_delta,
+    published_versions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -249,13 +264,38 @@ def write_process_files(staging: Path, plan: PublishPlan, host: dict[str, np.nda
         return list(pool.map(write, mine))
 
 
+def write_process_deltas(staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
+                         prev: dict[str, np.ndarray], process: int, *,
+                         threads: int = WRITE_THREADS) -> list[str]:
+    """Writes (fsynced) the delta files of the tensors ``process`` owns into ``staging``;
+    returns their names. For each file of the plan, :func:`~satjax.weight_sync.delta_file_name`
+    of it holds, for every tensor of that file whose bytes changed from ``prev`` to
+    ``host``, :func:`~satjax.weight_sync.encode_delta` as a ``uint8`` tensor of the same
+    name (a file may hold none)."""
+    mine = [(delta_file_name(fname), names) for fname, p, names in plan.files if p == process]
+
+    def write(job: tuple[str, tuple[str, ...]]) -> str:
+        fname, names = job
+        deltas = [(n, encode_delta(host[n], prev[n])) for n in names]
+        # mypy cannot infer a lambda with a default argument for a Callable[[], ...]
+        write_safetensors(str(staging / fname), [
+            (n, np.dtype(np.uint8), (len(d),), lambda d=d: np.frombuffer(d, np.uint8))  # type: ignore[misc]
+            for n, d in deltas if d is not None])
+        return fname
+
+    with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
+        return list(pool.map(write, mine))
+
+
 def _marker(staging: Path, kind: str, process: int) -> Path:
     return staging / f".{kind}-{process}"
 
 
-def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIMEOUT_S) -> None:
+def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIMEOUT_S, *,
+                   base: int | None = None) -> None:
     """Process 0: blocks until every other process marked its files done in ``staging``;
-    raises :class:`WeightSyncError` if one failed or ``timeout`` passed."""
+    raises :class:`WeightSyncError` if one failed, wrote against another ``base`` (a delta
+    of that version; None: full files) or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     waiting = set(range(1, process_count))
     while waiting:
@@ -264,7 +304,12 @@ def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIME
             if failed.exists():
                 raise WeightSyncError(f"process {p} failed to write its weight files: "
                                       f"{failed.read_text()}")
-            if _marker(staging, "done", p).exists():
+            done = _marker(staging, "done", p)
+            if done.exists():
+                theirs = json.loads(done.read_text())["base"]
+                if theirs != base:
+                    raise WeightSyncError(
+                        f"process {p} wrote {_what(theirs)}, process 0 {_what(base)}")
                 waiting.discard(p)
         if waiting and time.monotonic() > deadline:
             raise WeightSyncError(f"processes {sorted(waiting)} did not write their weight "
@@ -273,6 +318,10 @@ def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIME
             time.sleep(0.02)
     for p in range(1, process_count):
         _marker(staging, "done", p).unlink()
+
+
+def _what(base: int | None) -> str:
+    return "full files" if base is None else f"a delta of version {base}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,13 +343,24 @@ class ShardedPublisher:
       publisher: the weights directory (process 0 renames and moves the pointers).
       mesh: the trainer's mesh (the canary forward is replicated over it).
       canary_tokens: the fixed sequence whose log-probs go into every manifest.
+      keyframe_every: every how many versions one is full (``train.keyframe_every``); the
+        others are deltas of the version before. 1: every version full. The first publish,
+        and the first after a failed one, is full.
+      dtype: the dtype versions are published in (``model.dtype``: what the policy
+        computes in); None: the parameters' own. The canary is computed from the
+        parameters rounded to it, as the workers get them.
     """
 
-    def __init__(self, publisher: WeightPublisher, mesh: Mesh,
-                 canary_tokens: list[int]) -> None:
+    def __init__(self, publisher: WeightPublisher, mesh: Mesh, canary_tokens: list[int], *,
+                 keyframe_every: int = TrainConfig().keyframe_every,
+                 dtype: str | None = None) -> None:
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every: must be >= 1, got {keyframe_every}")
         self.publisher = publisher
         self.mesh = mesh
         self.canary_tokens = list(canary_tokens)
+        self.keyframe_every = keyframe_every
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.process = jax.process_index()
         self.process_count = jax.process_count()
         nonce = np.random.default_rng().integers(0, 2**62, dtype=np.int64)
@@ -310,7 +370,13 @@ class ShardedPublisher:
         self._count = 0
         self._compiled: _Compiled | None = None  # by the first publish()
         self._thread: threading.Thread | None = None
-        self._host: dict[str, np.ndarray] | None = None  # refilled by every publish
+        # host copies of this process's tensors: ``_prev`` of the last version written (the
+        # base of the next delta), ``_next`` an older set the next publish refills (with
+        # keyframe_every 1 one set, refilled each time)
+        self._prev: dict[str, np.ndarray] | None = None
+        self._next: dict[str, np.ndarray] | None = None
+        self._last: int | None = None  # the version in _prev, if it was written
+        self._deltas = 0  # versions since the last full one
         self._error: tuple[int, BaseException] | None = None
         self.last_seconds: float | None = None  # the background part of the last publish
         self.last_files: list[str] = []  # the files this process wrote in the last publish
@@ -322,9 +388,11 @@ class ShardedPublisher:
 
     def _compile(self, model: Qwen3MoeForCausalLM) -> _Compiled:
         tensors = hf_tensors(model.config)
+        dtype = self.dtype
 
         def convert(params):  # copies even where to_hf is the identity (see publish)
-            return {p: jnp.copy(x) for p, x in hf_layout(tensors, params).items()}
+            return {p: jnp.copy(x) if dtype is None or x.dtype == dtype else x.astype(dtype)
+                    for p, x in hf_layout(tensors, params).items()}
 
         convert_fn = jax.jit(convert)
         # the plan follows the shardings XLA gives the HF-layout arrays (the same program,
@@ -339,6 +407,10 @@ class ShardedPublisher:
         tokens = np.asarray([self.canary_tokens], np.int32)
 
         def canary(state):  # float32 log-probs of tokens[1:], like model.canary_logprobs
+            if dtype is not None:  # of the weights as published
+                state = jax.tree.map(
+                    lambda x: x.astype(dtype).astype(x.dtype)
+                    if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
             lp, _ = token_logprobs(nnx.merge(graphdef, state), jnp.asarray(tokens))
             return lp[0, 1:]
 
@@ -352,7 +424,9 @@ class ShardedPublisher:
         """Starts publishing ``model`` as ``version`` and returns at once (after the
         previous publish finished). Every process calls it, in the same order: it
         dispatches jitted collectives (the HF-layout copy, a reshard for tensors no process
-        holds whole, the canary forward), never waiting for them."""
+        holds whole, the canary forward), never waiting for them. The version is a delta
+        of the previous one unless a full one is due (``keyframe_every``) or the previous
+        publish failed."""
         self.wait()
         if self._compiled is None:
             self._compiled = self._compile(model)
@@ -364,40 +438,59 @@ class ShardedPublisher:
         with jax.set_mesh(self.mesh):
             canary = c.canary(nnx.state(model))
         self._count += 1
+        # the same decision on every process: they see the same calls and, but for a
+        # failure (which process 0 then detects in wait_for_peers), the same outcomes
+        base = self._last if (self._last is not None and self._last < version
+                              and self._deltas + 1 < self.keyframe_every) else None
         staging = self.publisher.staging_dir(version, f"{self._nonce}-{self._count}")
         staging.mkdir(exist_ok=True)
         self._thread = threading.Thread(
-            target=self._run, args=(c, version, staging, [hf], canary, target_version),
+            target=self._run, args=(c, version, staging, [hf], canary, target_version, base),
             name=f"publish-v{version}", daemon=False)  # interpreter exit waits for it
         self.last_files = []
         self._thread.start()
 
     def _run(self, c: _Compiled, version: int, staging: Path,
              hf: list[dict[tuple, jax.Array]], canary: jax.Array,
-             target_version: int | None) -> None:
+             target_version: int | None, base: int | None) -> None:
         t0 = time.perf_counter()
+        self._last = None  # until this version is written
         try:
             # device -> host (waits for the copy); the device copy is dropped right away
-            host = snapshot(hf.pop(), c.plan, self.process, out=self._host)
-            self._host = host
+            host = snapshot(hf.pop(), c.plan, self.process, out=self._next)
+            prev = self._prev
+            if self.keyframe_every > 1:
+                self._next, self._prev = prev, host
+            else:
+                self._next = host
             if self.process == 0:
-                self._commit(c, version, staging, host, canary, target_version)
+                self._commit(c, version, staging, host, prev, canary, target_version, base)
             else:
                 try:
-                    self.last_files = write_process_files(staging, c.plan, host,
-                                                          self.process)
+                    self.last_files = self._write(staging, c.plan, host, prev, base)
                 except BaseException as e:
                     atomic_write(_marker(staging, "failed", self.process), repr(e))
                     raise
                 atomic_write(_marker(staging, "done", self.process),
-                             json.dumps(self.last_files))
+                             json.dumps({"files": self.last_files, "base": base}))
+            self._last = version
+            self._deltas = 0 if base is None else self._deltas + 1
         except BaseException as e:  # surfaces on the next publish() / wait()
             log.error("publishing version %d failed: %r", version, e)
             self._error = (version, e)
         self.last_seconds = time.perf_counter() - t0
 
+    def _write(self, staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
+               prev: dict[str, np.ndarray] | None, base: int | None) -> list[str]:
+        """This process's files: full, or its deltas against ``prev`` (``base``'s)."""
+        if base is None:
+            return write_process_files(staging, plan, host, self.process)
+        assert prev is not None, "a delta needs the previous version's host copy"
+        return write_process_deltas(staging, plan, host, prev, self.process)
+
     def _commit(self, c: _Compiled, version: int, staging: Path, host: dict[str, np.ndarray],
-                canary: jax.Array, target_version: int | None) -> None:
+                prev: dict[str, np.ndarray] | None, canary: jax.Array,
+                target_version: int | None, base: int | None) -> None:
         plan = c.plan
         root = self.publisher.sync_dir
         for stale in published_versions(root):
@@ -407,14 +500,15 @@ class ShardedPublisher:
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
 
         def write(d: Path) -> None:
-            self.last_files = write_process_files(d, plan, host, 0)
-            wait_for_peers(d, self.process_count)
-            atomic_write(d / "config.json", json.dumps(
-                hf_config(c.config, dtype), indent=2, sort_keys=True))
-            write_index(str(d), plan.weight_map, plan.total_bytes)
+            self.last_files = self._write(d, plan, host, prev, base)
+            wait_for_peers(d, self.process_count, base=base)
+            if base is None:  # a full version is a complete HF checkpoint
+                atomic_write(d / "config.json", json.dumps(
+                    hf_config(c.config, dtype), indent=2, sort_keys=True))
+                write_index(str(d), plan.weight_map, plan.total_bytes)
 
         self.publisher.publish(
-            version, write, staging=staging, target_version=target_version,
+            version, write, staging=staging, target_version=target_version, base=base,
             canary={"tokens": self.canary_tokens,
                     "logprobs": np.asarray(canary, np.float32).tolist()})
 

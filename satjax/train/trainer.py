@@ -96,8 +96,11 @@ class Trainer:
         # exact-lag workers serve version latest - exact_lag, so keep it and the two newest
         keep = max(3, cfg.train.exact_lag + 2)
         self.canary_tokens = self.tokenizer.encode(CANARY_TEXT, add_bos=True, add_eos=True)
+        # published in the compute dtype: the policy as it runs (bf16 over float32 masters
+        # is half the bytes), with deltas between keyframes
         self.publisher = ShardedPublisher(WeightPublisher(self.dirs.weights, keep=keep),
-                                          self.mesh, self.canary_tokens)
+                                          self.mesh, self.canary_tokens,
+                                          keyframe_every=t.keyframe_every, dtype=cfg.model.dtype)
 
     @property
     def policy_version(self) -> int:

@@ -41,10 +41,14 @@ def _model(seed: int) -> Qwen3MoeForCausalLM:
                                param_dtype=jnp.float32)
 
 
-def _publish(pub: WeightPublisher, model, version: int, canary_tokens: list[int]) -> None:
-    """As the trainer publishes: the sharded HF layout (index + shards), canary jitted."""
+def _sharded(pub: WeightPublisher, canary_tokens: list[int]) -> ShardedPublisher:
+    """As the trainer publishes: the sharded HF layout (index + shards), canary jitted,
+    deltas between keyframes."""
     mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
-    sharded = ShardedPublisher(pub, mesh, canary_tokens)
+    return ShardedPublisher(pub, mesh, canary_tokens, keyframe_every=10)
+
+
+def _publish(sharded: ShardedPublisher, model, version: int) -> None:
     sharded.publish(model, version)
     sharded.wait()
 
@@ -83,13 +87,14 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     models = {0: _model(0), 1: _model(1)}
     canary = [tok.bos_id, *tok.encode("12+34=46")]
-    pub = WeightPublisher(root / "weights")
-    _publish(pub, models[0], 0, canary)
+    pub = WeightPublisher(root / "weights", keep=10)
+    sharded = _sharded(pub, canary)
+    _publish(sharded, models[0], 0)
     engine = VllmEngine(python=python, dtype="float32", max_model_len=128, log_dir=root)
     try:
         engine.load(WeightSubscriber(root / "weights").checkpoint_dir(0), 0)
-        yield {"engine": engine, "models": models, "pub": pub, "root": root, "tok": tok,
-               "canary": canary}
+        yield {"engine": engine, "models": models, "pub": pub, "sharded": sharded,
+               "root": root, "tok": tok, "canary": canary}
     finally:
         engine.close()
 
@@ -131,13 +136,73 @@ def test_logprobs_and_routes_match_satjax(served):
     assert err <= ATOL
 
 
+def _nudged(model, paths, scale):
+    """A copy of ``model`` with the parameters at ``paths`` (None: all) times (1 + scale)."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        if paths is None or path in paths:
+            flat[path] = var.replace(var[...] * (1 + scale))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_delta_versions_update_in_place(served):
+    """The server started from v0 (its plug-in has no mirror yet) follows delta versions
+    in place: v1 changes a few tensors and vLLM gets only them and their load groups
+    (q_proj with k/v_proj; one expert with its layer's); v2 and v3 (every tensor) arrive
+    together. Canary and sampled log-probs are those of each new model."""
+    from satjax.weight_sync import read_raw_tensors
+
+    engine, tok, canary = served["engine"], served["tok"], served["canary"]
+    sub = WeightSubscriber(served["root"] / "weights")
+    assert engine.version == 0
+    m0 = served["models"][0]
+    q0 = ("layers", 0, "self_attn", "q_proj")
+    experts = ("layers", 1, "mlp", "experts", "down_proj")
+    m1 = _nudged(m0, {q0, experts}, 0.05)
+    _publish(served["sharded"], m1, 1)
+    changed = {n for f in sub.manifest(1)["files"]
+               for n in read_raw_tensors(sub.checkpoint_dir(1) / f)}
+    n_exp = m0.config.num_experts
+    assert sub.manifest(1)["kind"] == "delta" and len(changed) == 1 + n_exp
+    engine.apply_deltas([sub.checkpoint_dir(1)], 1)
+    info = engine.last_sync_info
+    # q, k, v of layer 0 and gate, up, down of every expert of layer 1
+    assert (info["changed"], info["tensors"], info["expert_layers"]) == \
+        (1 + n_exp, 3 + 3 * n_exp, 1)
+    assert engine.version == 1 and engine.weight_version() == "1"
+    check_canary(sub.manifest(1), engine.canary_logprobs(canary), atol=ATOL)
+    with pytest.raises(WeightSyncError, match="canary failed"):  # it moved off v0
+        check_canary({"version": 1, "canary": {"tokens": canary, "logprobs":
+                      canary_logprobs(m0, canary)}}, engine.canary_logprobs(canary),
+                     atol=ATOL)
+    m2 = _nudged(m1, None, 0.01)
+    m3 = _nudged(m2, None, 0.01)
+    _publish(served["sharded"], m2, 2)
+    _publish(served["sharded"], m3, 3)
+    steps = sub.sync_plan(3, (1, sub.manifest(1)["id"]))
+    assert [(s.version, s.is_delta) for s in steps] == [(2, True), (3, True)]
+    engine.apply_deltas([s.path for s in steps], 3)
+    assert engine.version == 3 and engine.last_sync_info["expert_layers"] == \
+        len(m0.config.moe_layer_indices)
+    err = check_canary(sub.manifest(3), engine.canary_logprobs(canary), atol=ATOL)
+    assert err <= ATOL
+    prompts = _prompts(tok, 3)
+    comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seed=2)
+    for c, ref in zip(comps, _teacher_forced(m3, comps, 1.0), strict=True):
+        np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
+        np.testing.assert_array_equal(c.routed_experts, ref[1])
+
+
 def test_weight_update_worker_stamps_new_version(served):
     from satjax.queue.client import QueueClient
     from satjax.queue.server import QueueServer
     from satjax.rollout.worker import RolloutWorker, WorkerConfig
 
     engine, models, tok, root = served["engine"], served["models"], served["tok"], served["root"]
-    _publish(served["pub"], models[1], 1, served["canary"])
+    # a full version (a new publisher's first), after whatever the server serves now
+    version = engine.version + 1
+    _publish(_sharded(served["pub"], served["canary"]), models[1], version)
     server = QueueServer(root / "queue", TOKEN)
     port = server.start(0)
     task = ArithmeticTask(min_digits=1, max_digits=2, ops=("+",), seed=0)
@@ -149,15 +214,16 @@ def test_weight_update_worker_stamps_new_version(served):
                 iter(prompt_dataset(task, seed=1)),
                 WorkerConfig(group_size=2, prompts_per_batch=2, sampling=sampling,
                              worker_id="vllm-test"))
-            # syncs v1 in place (collective_rpc + canary check), then one batch
+            # syncs the full version in place (collective_rpc + canary check), then one batch
             assert worker.run(max_batches=1, install_signal_handlers=False) == 4
-            batch = client.get_batch(4, trainer_version=1, timeout=10, allow_partial=True)
+            batch = client.get_batch(4, trainer_version=version, timeout=10,
+                                     allow_partial=True)
     finally:
         server.stop(0)
-    assert engine.version == 1 and engine.weight_version() == "1"
+    assert engine.version == version and engine.weight_version() == str(version)
     assert engine.last_sync_info["expert_layers"] == len(models[1].config.moe_layer_indices)
     trajs = batch.trajectories
-    assert len(trajs) == 4 and {t.policy_version for t in trajs} == {1}
+    assert len(trajs) == 4 and {t.policy_version for t in trajs} == {version}
     assert {t.engine for t in trajs} == {"vllm"}
     # the behaviour log-probs and routes are now those of the new weights
     comps = [_AsCompletion(t) for t in trajs]
@@ -165,7 +231,7 @@ def test_weight_update_worker_stamps_new_version(served):
         np.testing.assert_allclose(t.behavior_logprobs, ref[0], atol=ATOL, rtol=0)
         np.testing.assert_array_equal(t.routed_experts, ref[1])
     # and a canary computed from the old weights is now refused
-    stale = {"version": 1, "canary": {"tokens": served["canary"], "logprobs":
+    stale = {"version": version, "canary": {"tokens": served["canary"], "logprobs":
              canary_logprobs(models[0], served["canary"])}}
     with pytest.raises(WeightSyncError, match="canary failed"):
         check_canary(stale, engine.canary_logprobs(served["canary"]), atol=engine.canary_atol)

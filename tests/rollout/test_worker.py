@@ -1,5 +1,7 @@
 """The built-in rollout worker end to end through a real in-process queue server."""
 
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,7 +193,6 @@ def test_each_group_is_its_own_put(tmp_path, queue):
 def test_worker_waits_for_files_that_arrive_after_the_manifest(tmp_path, queue):
     """On a bucket mount a version's files appear one by one: a worker that sees the
     manifest first waits for the weights instead of failing or loading half a version."""
-    import shutil
     import threading
 
     tok = CharTokenizer()
@@ -206,3 +207,92 @@ def test_worker_waits_for_files_that_arrive_after_the_manifest(tmp_path, queue):
     timer.start()
     assert worker.maybe_sync() and engine.version == 0  # loaded once the file arrived
     timer.join()
+
+
+class _CountingEngine(BuiltinEngine):
+    """The built-in engine, counting full loads and delta applications."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def load(self, checkpoint_dir, version):
+        self.calls.append(("full", version))
+        super().load(checkpoint_dir, version)
+
+    def apply_deltas(self, delta_dirs, version):
+        self.calls.append(("deltas", [int(d.name[1:]) for d in delta_dirs]))
+        super().apply_deltas(delta_dirs, version)
+
+
+def test_builtin_worker_follows_delta_versions_bit_exactly(tmp_path):
+    """A worker that follows delta versions (one at a time, then two at once) serves the
+    very weights of a full load of the last version; one that starts late rebuilds it
+    from the keyframe; a delta that decodes but is wrong fails the canary."""
+    from satjax import parallel
+    from satjax.model.hf_io import hf_state_dict
+    from satjax.train.publish import ShardedPublisher
+    from satjax.weight_sync import read_raw_tensors
+
+    tok = CharTokenizer()
+    canary = [tok.bos_id, *tok.encode("3+4=7"), tok.eos_id]
+    mesh = parallel.make_mesh(parallel.MeshConfig(), devices=jax.devices()[:1])
+    pub = ShardedPublisher(WeightPublisher(tmp_path / "weights"), mesh, canary,
+                           keyframe_every=10)
+    models = [_model(tok, 0)]
+    for v in range(1, 4):  # a small update of every parameter
+        graphdef, state = nnx.split(models[-1])
+        models.append(nnx.merge(graphdef, jax.tree.map(lambda x, v=v: x * (1 + 1e-3 * v),
+                                                       state)))
+    sub = WeightSubscriber(tmp_path / "weights")
+
+    def worker(engine):
+        return RolloutWorker(engine, ArithmeticTask(), tok, None, sub, iter([]), WorkerConfig())
+
+    engine = _CountingEngine("float32", pad_id=tok.pad_id)
+    w = worker(engine)
+    for v in (0, 1):
+        pub.publish(models[v], v)
+        pub.wait()
+        assert w.maybe_sync() and engine.version == v
+    for v in (2, 3):
+        pub.publish(models[v], v)
+    pub.wait()
+    assert w.maybe_sync() and engine.version == 3
+    assert engine.calls == [("full", 0), ("deltas", [1]), ("deltas", [2, 3])]
+    assert [sub.manifest(v)["kind"] for v in range(4)] == ["full"] + ["delta"] * 3
+    want = hf_state_dict(models[3])
+    got = hf_state_dict(engine.model)
+    assert got.keys() == want.keys()
+    assert all(got[k].tobytes() == want[k].tobytes() for k in want)  # bit-identical
+    late = _CountingEngine("float32", pad_id=tok.pad_id)
+    assert worker(late).maybe_sync() and late.calls == [("full", 0), ("deltas", [1, 2, 3])]
+    assert all(hf_state_dict(late.model)[k].tobytes() == want[k].tobytes() for k in want)
+
+    # version 4: a delta that decodes fine but holds another update of one tensor
+    import zstandard
+    from safetensors.numpy import save_file
+
+    pub.publish(models[3], 4)  # nothing changed: every delta file is empty
+    pub.wait()
+    path = sub.checkpoint_dir(4)
+    assert not any(read_raw_tensors(path / f) for f in sub.manifest(4)["files"])
+    name = "lm_head.weight"
+    flip = np.zeros(want[name].nbytes, np.uint8)
+    flip[3::4] = 0x01  # the exponent's low bit of every float32 value
+    first = sorted(sub.manifest(4)["files"])[0]
+    shutil.copy(path / first, tmp_path / "good")
+    save_file({name: np.frombuffer(zstandard.ZstdCompressor().compress(flip), np.uint8)},
+              path / first)
+    with pytest.raises(WeightSyncError, match="canary failed for version 4"):
+        w.maybe_sync()
+    # with the file repaired, the worker does not build on the weights it refused: it
+    # rebuilds version 5 from the keyframe
+    shutil.copy(tmp_path / "good", path / first)
+    pub.publish(models[2], 5)
+    pub.wait()
+    engine.calls.clear()
+    assert w.maybe_sync() and engine.version == 5
+    assert engine.calls == [("full", 0), ("deltas", [1, 2, 3, 4, 5])]
+    want = hf_state_dict(models[2])
+    assert all(hf_state_dict(engine.model)[k].tobytes() == want[k].tobytes() for k in want)

@@ -63,6 +63,23 @@ def hf_tensors(version: Path) -> dict[str, bytes]:
     return out
 
 
+def rebuilt_by_a_worker(weights: Path, version: int) -> None:
+    """A built-in engine that follows the chain to ``version`` passes its canary."""
+    from satjax.rollout.builtin_engine import BuiltinEngine
+    from satjax.weight_sync import WeightSubscriber, check_canary
+
+    sub = WeightSubscriber(weights)
+    steps = sub.sync_plan(version, None)
+    assert [s.is_delta for s in steps] == [False] + [True] * version
+    assert all(len(s.manifest["files"]) > 1 for s in steps)
+    engine = BuiltinEngine("float32")
+    engine.load(steps[0].path, steps[0].version)
+    engine.apply_deltas([s.path for s in steps[1:]], version)
+    manifest = sub.manifest(version)
+    check_canary(manifest, engine.canary_logprobs(manifest["canary"]["tokens"]),
+                 atol=engine.canary_atol)
+
+
 def files_written(out: Path, tag: str, nproc: int) -> list[list[str]]:
     return [json.loads((out / f"files-{tag}-{i}.json").read_text()) for i in range(nproc)]
 
@@ -99,8 +116,11 @@ def test_two_processes_train_and_publish_like_one_and_their_checkpoint_restores_
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
     assert max(float(np.abs(b[k] - init[k]).max()) for k in b) > 1e-4  # it trained
     weights = two / "run" / "weights"
-    assert sorted(p.name for p in weights.glob("v*")) == [f"v{v:08d}" for v in (1, 2, 3)]
+    # versions 1-3 are deltas of the version before, each process writing its own
+    # tensors' deltas; the keyframe 0 stays while they need it
+    assert sorted(p.name for p in weights.glob("v*")) == [f"v{v:08d}" for v in range(4)]
     assert (weights / "LATEST").read_text() == "3"
+    rebuilt_by_a_worker(weights, 3)
     # the 2-process checkpoint, restored by one process on another mesh, is the same state
     run(1, two, "1,4,1,2", "restore")
     c = load(two / "params-restore-1.npz")

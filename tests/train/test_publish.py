@@ -17,16 +17,20 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from satjax import parallel
-from satjax.model import from_pretrained, save_pretrained, token_logprobs
+from satjax.model import canary_logprobs, from_pretrained, save_pretrained, token_logprobs
 from satjax.model.hf_io import hf_state_dict
+from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.train import publish as publish_mod
 from satjax.train.publish import ShardedPublisher
+from satjax.utils import atomic_write
 from satjax.weight_sync import (
+    WeightMirror,
     WeightPublisher,
     WeightSubscriber,
     WeightSyncError,
     check_canary,
     published_versions,
+    read_raw_tensors,
 )
 
 TOKENS = [1, 5, 9, 17, 30, 2]
@@ -131,3 +135,70 @@ def test_snapshot_survives_donation_and_a_failed_write_surfaces(sharded, tmp_pat
     pub.publish(model, 2)  # reported once; publishing goes on
     pub.wait()
     assert published_versions(tmp_path) == [0, 2]
+
+
+def _nudged(model, paths, scale):
+    """A copy of ``model`` with the parameters at ``paths`` (None: all) times (1 + scale):
+    a small update that changes some float32 values' bfloat16 rounding and not others."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        if paths is None or path in paths:
+            flat[path] = var.replace(var[...] * (1 + scale))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_delta_versions_round_trip_bit_exactly_in_bf16(sharded, tmp_path):
+    """Versions 0..4 of a float32 model published as bfloat16 with a keyframe every 3:
+    0 and 3 full, 1, 2, 4 deltas of the version before. Following them (each version, and
+    with skips) gives the bytes of each version's own full bfloat16 copy; a delta holds
+    only the tensors whose bf16 bytes changed; the canary is the rounded weights'."""
+    model, mesh = sharded
+    models = [model]
+    q0 = ("layers", 0, "self_attn", "q_proj")
+    for v, (paths, scale) in enumerate([({q0}, 1e-2), (None, 1e-3), (None, 1e-3),
+                                        (None, 1e-3)], 1):
+        models.append(_nudged(models[v - 1], paths, scale))
+    pub = ShardedPublisher(WeightPublisher(tmp_path, keep=10), mesh, TOKENS,
+                           keyframe_every=3, dtype="bfloat16")
+    for v, m in enumerate(models):
+        pub.publish(m, v)
+    pub.wait()
+    sub = WeightSubscriber(tmp_path)
+    kinds = [(sub.manifest(v)["kind"], sub.manifest(v).get("base")) for v in range(5)]
+    assert kinds == [("full", None), ("delta", 0), ("delta", 1), ("full", None), ("delta", 3)]
+    want = [{k: x.astype(jnp.bfloat16) for k, x in hf_state_dict(m).items()} for m in models]
+    assert version_tensors(sub.checkpoint_dir(3)).keys() == want[3].keys()
+    assert all(version_tensors(sub.checkpoint_dir(3))[k].tobytes() == want[3][k].tobytes()
+               for k in want[3])
+    # version 1 changed one tensor: its delta holds that one only
+    entries = {n for f in sub.manifest(1)["files"]
+               for n in read_raw_tensors(sub.checkpoint_dir(1) / f)}
+    assert entries == {"model.layers.0.self_attn.q_proj.weight"}
+    for path in [[0, 1, 2, 3, 4], [0, 2], [1, 4], [2, 3]]:
+        mirror = WeightMirror()
+        for v in path:
+            for step in sub.sync_plan(v, None if mirror.id is None
+                                      else (mirror.version, mirror.id)):
+                (mirror.apply_delta if step.is_delta else mirror.load_full)(step.path)
+            assert mirror.version == v
+            assert {k: t.data.tobytes() for k, t in mirror.tensors.items()} == \
+                {k: x.tobytes() for k, x in want[v].items()}, (path, v)
+    # the canary is computed from the weights as published (bf16), in float32
+    engine = BuiltinEngine("float32")
+    engine.load(sub.checkpoint_dir(3), 3)
+    assert check_canary(sub.manifest(3), engine.canary_logprobs(TOKENS), atol=1e-5) < 1e-5
+    with pytest.raises(WeightSyncError, match="canary failed"):  # not the float32 masters'
+        check_canary({"version": 3, "canary": {"logprobs": canary_logprobs(models[3], TOKENS)}},
+                     engine.canary_logprobs(TOKENS), atol=1e-5)
+
+
+def test_processes_writing_against_different_bases_fail_the_publish(tmp_path):
+    """Process 0 refuses to commit a version whose files were written against another
+    base by some process (possible only after a failure that one process saw)."""
+    atomic_write(tmp_path / ".done-1", json.dumps({"files": ["x"], "base": 3}))
+    with pytest.raises(WeightSyncError, match="process 1 wrote a delta of version 3, "
+                                              "process 0 full files"):
+        publish_mod.wait_for_peers(tmp_path, 2, timeout=1)
+    publish_mod.wait_for_peers(tmp_path, 2, timeout=1, base=3)
+    assert not (tmp_path / ".done-1").exists()
