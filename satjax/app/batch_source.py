@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from satjax.app.multihost import Peers, Poll
-from satjax.queue.client import QueueClient, TrajectoryBatch
+from satjax.queue.client import QueueClient, QueueTooLargeError, TrajectoryBatch
 from satjax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -81,24 +81,29 @@ class BatchSource:
     fetches when called. ``max_lag``: the queue drops trajectories staler than this.
     ``take_over``: the first GetBatch fences a previous trainer that still holds the queue
     (a resumed run). ``rows_per_call``: fetch in GetBatch calls of at most this many
-    trajectories (whole groups), for batches larger than one gRPC message; the queue's
-    ShouldPause predicts lags from the last call's size, so a run whose workers pause on
-    it fetches its batch in one call (the default). ``on_poll``: called on the main thread
-    while the primary waits (e.g. raise if a child process died).
+    trajectories (a multiple of ``group_size``); None: the whole batch in one call, halved
+    (in whole groups) each time the queue answers that it is over one gRPC message (the
+    paper's 2 GB batch against the 64 MiB default), so no size has to be configured. Each
+    call tells the queue the whole batch's size (``batch_rows``: its ShouldPause predicts
+    lags in whole batches). ``on_poll``: called on the main thread while the primary waits
+    (e.g. raise if a child process died).
     """
 
     def __init__(self, peers: Peers, client: QueueClient | None, *, rows: int, max_lag: int,
                  prepare: Callable[[list[Trajectory]], Any], num_experts: int | None = None,
                  take_over: bool = False, rows_per_call: int | None = None,
-                 on_poll: Callable[[], None] = lambda: None, poll_s: float = POLL_S) -> None:
+                 group_size: int = 1, on_poll: Callable[[], None] = lambda: None,
+                 poll_s: float = POLL_S) -> None:
         if peers.primary and client is None:
             raise ValueError("client: the primary process needs a QueueClient")
-        if rows < 1 or (rows_per_call is not None and rows_per_call < 1):
-            raise ValueError(f"rows, rows_per_call: must be >= 1, got {rows}, {rows_per_call}")
+        if rows < 1 or group_size < 1 or rows % group_size or (
+                rows_per_call is not None and (rows_per_call < 1 or rows_per_call % group_size)):
+            raise ValueError(f"rows, rows_per_call: must be positive multiples of group_size "
+                             f"{group_size}, got {rows}, {rows_per_call}")
         self.peers, self.client = peers, client
         self.rows, self.max_lag, self.prepare = rows, max_lag, prepare
         self.num_experts, self.take_over = num_experts, take_over
-        self.rows_per_call = rows_per_call or rows
+        self.rows_per_call, self.group_size = rows_per_call or rows, group_size
         self.on_poll, self.poll_s = on_poll, poll_s
         # a batch placed by the fetch thread needs no collective: single-process runs only
         self._prepare_in_thread = peers.count == 1
@@ -149,12 +154,21 @@ class BatchSource:
         while got < self.rows:
             if self._cancel.is_set():
                 return None
-            reply = self.client.get_batch(
-                min(self.rows_per_call, self.rows - got), trainer_version=version,
-                max_lag=self.max_lag, timeout=CALL_S, redeliver_unacked=self._first_call,
-                # a resumed trainer fences its dead predecessor explicitly (the queue
-                # refuses a second consumer)
-                take_over=self._first_call and self.take_over)
+            try:
+                reply = self.client.get_batch(
+                    min(self.rows_per_call, self.rows - got), trainer_version=version,
+                    max_lag=self.max_lag, timeout=CALL_S, redeliver_unacked=self._first_call,
+                    # a resumed trainer fences its dead predecessor explicitly (the queue
+                    # refuses a second consumer)
+                    take_over=self._first_call and self.take_over, batch_rows=self.rows)
+            except QueueTooLargeError:  # nothing was delivered: ask again for fewer groups
+                half = self.rows_per_call // 2 // self.group_size * self.group_size
+                if half < self.group_size:  # the queue refuses such groups at put time
+                    raise
+                log.warning("a GetBatch of %d trajectories is over the queue's message size: "
+                            "fetching batches in calls of %d", self.rows_per_call, half)
+                self.rows_per_call = half
+                continue
             self._first_call = False
             dropped += reply.dropped_stale
             if reply.trajectories:  # empty: fewer fresh trajectories than asked so far

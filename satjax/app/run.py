@@ -371,7 +371,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         source = BatchSource(peers, client, rows=n_rows, max_lag=cfg.train.max_lag,
                              prepare=trainer.prepare,
                              num_experts=trainer.model_config.num_experts, take_over=resume,
-                             on_poll=procs.check_alive)
+                             group_size=cfg.rollout.group_size, on_poll=procs.check_alive)
 
         try:
             while trainer.step < cfg.train.steps:

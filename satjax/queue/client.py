@@ -227,7 +227,8 @@ class QueueClient:
     # -- trainer API ----------------------------------------------------------------------
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout: float = 0.0, *, allow_partial: bool = False,
-                  redeliver_unacked: bool = False, take_over: bool = False) -> TrajectoryBatch:
+                  redeliver_unacked: bool = False, take_over: bool = False,
+                  batch_rows: int | None = None) -> TrajectoryBatch:
         """Waits up to ``timeout`` s for ``n`` fresh trajectories in whole groups.
 
         An empty batch (cursor 0) comes back when fewer than ``n`` are ready in time, unless
@@ -235,6 +236,8 @@ class QueueClient:
         While another consumer holds the queue this raises :class:`QueueLeaseError`, unless
         ``take_over`` (a trainer resuming after a crash): the other's unacknowledged batches
         are then delivered again and its later calls are refused.
+        ``batch_rows``: the whole batch when it is fetched in several calls of ``n`` (the
+        queue's ShouldPause predicts lags in batches of it).
         Routes are int32 unless the client was made with ``compact_routes=True`` (then
         read-only uint8/uint16 views, no copy).
         """
@@ -244,6 +247,8 @@ class QueueClient:
                                       consumer_id=self.consumer_id, take_over=take_over)
         if max_lag is not None:
             request.max_lag = max_lag
+        if batch_rows is not None:
+            request.batch_rows = batch_rows
         raw = self._call("get_batch", lambda: self._get_raw(
             request, timeout=timeout + 60.0, metadata=self._metadata))
         trajs, cursor, hist, dropped = decode_batch_reply(raw,

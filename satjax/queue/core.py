@@ -662,10 +662,16 @@ class TrajectoryQueue:
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout_s: float = 0.0, *, allow_partial: bool = False,
                   redeliver_unacked: bool = False, consumer_id: str = "",
-                  take_over: bool = False) -> BatchResult:
-        """Up to ``n`` trajectories in complete, fresh groups (see module docstring)."""
+                  take_over: bool = False, batch_rows: int | None = None) -> BatchResult:
+        """Up to ``n`` trajectories in complete, fresh groups (see module docstring).
+
+        ``batch_rows``: the trainer's whole batch when it fetches it in several calls of
+        ``n`` (ShouldPause predicts lags in batches of it); None: ``n``."""
         if n <= 0:
             raise QueueRequestError(f"n: must be positive, got {n!r}")
+        batch_rows = n if batch_rows is None else batch_rows
+        if batch_rows < n:
+            raise QueueRequestError(f"batch_rows: must be >= n ({n}), got {batch_rows!r}")
         lag = self.settings.max_lag_default if max_lag is None else max_lag
         if lag < 0:
             raise QueueRequestError(f"max_lag: must be >= 0, got {lag!r}")
@@ -677,8 +683,9 @@ class TrajectoryQueue:
                 self._deliveries.requeue_all()
             # the trainer's version / lag / batch size drive ShouldPause and survive restarts
             c = self._consumer
-            changed = (c.trainer_version, c.max_lag, c.batch_n) != (trainer_version, lag, n)
-            c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, n
+            changed = ((c.trainer_version, c.max_lag, c.batch_n)
+                       != (trainer_version, lag, batch_rows))
+            c.trainer_version, c.max_lag, c.batch_n = trainer_version, lag, batch_rows
             # wait for n fresh trajectories in whole groups, dropping stale ones as we go
             dropped = 0
             self._waiting += 1

@@ -184,7 +184,8 @@ class QueueService:
                 request.max_lag if request.HasField("max_lag") else None,
                 request.timeout_s, allow_partial=request.allow_partial,
                 redeliver_unacked=request.redeliver_unacked, consumer_id=request.consumer_id,
-                take_over=request.take_over)
+                take_over=request.take_over,
+                batch_rows=request.batch_rows if request.HasField("batch_rows") else None)
         except QueueRequestError as e:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.too_large
                     else grpc.StatusCode.INVALID_ARGUMENT)

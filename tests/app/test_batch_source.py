@@ -199,6 +199,39 @@ def test_a_batch_larger_than_one_call_is_fetched_in_whole_groups(queue):
         source.close()
 
 
+def test_a_batch_over_one_message_is_fetched_in_halves_told_the_whole_batch(tmp_path):
+    """The paper's batch (2 GB) is over gRPC's 64 MiB: with no size configured, a GetBatch
+    refused as too large is asked again for half as many groups until it fits; each call
+    tells the queue the whole batch, so ShouldPause predicts lags in whole batches."""
+    server = QueueServer(tmp_path / "q", TOKEN, max_message_mb=0.03)  # two groups fit
+    port = server.start(0)
+    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
+
+    def group(gid: str) -> list[Trajectory]:  # ~3.3 KB per trajectory, ~13 KB per group
+        return [dataclasses.replace(t, response_tokens=np.full(400, 7, np.int32),
+                                    behavior_logprobs=np.full(400, -0.5, np.float32))
+                for t in _group(gid)]
+
+    for gid in "ABCD":
+        client.put(group(gid), strict=True)
+    source = BatchSource(Peers(), client, rows=4 * GROUP, max_lag=5, prepare=_groups,
+                         group_size=GROUP)
+    try:
+        got = source.next(1, _never)
+        assert got is not None and got.batch == ["A", "B", "C", "D"]
+        assert source.rows_per_call == 2 * GROUP
+        assert got.reply is not None and client.ack(got.reply.cursor) == 4 * GROUP
+        for gid in "EFGH":
+            client.put(group(gid), strict=True)
+        # trainer at 1, not waiting: the next batch is trained at 2, and the 16 fresh
+        # trajectories are one whole batch more (they would be two of the 8-row calls)
+        assert client.should_pause(0).predicted_lag == 2 + 1
+    finally:
+        source.close()
+        client.close()
+        server.stop(1.0)
+
+
 def _rss_bytes() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
