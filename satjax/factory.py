@@ -11,7 +11,7 @@ from typing import Any
 
 from flax import nnx
 
-from satjax.config import Config
+from satjax.config import Config, ConfigError
 from satjax.data.prompts import PromptFormat
 from satjax.data.rewards import checked_reward
 from satjax.data.tasks import ArithmeticTask, DigitStringTask, Example, FileTask, load_examples
@@ -31,18 +31,21 @@ def prompt_format(cfg: Config) -> PromptFormat:
 def _short_prompts(examples: list[Example], tokenizer, fmt: PromptFormat, limit: int,
                    what: str) -> list[Example]:
     """``examples`` without those whose prompt is longer than ``limit`` tokens (logged)."""
-    kept = [ex for ex in examples if len(fmt.encode(tokenizer, ex)) <= limit]
+    lengths = [len(fmt.encode(tokenizer, ex)) for ex in examples]
+    kept = [ex for ex, n in zip(examples, lengths, strict=True) if n <= limit]
+    if not kept:
+        raise ConfigError(f"config key 'task.max_prompt_tokens': must fit a prompt of {what} "
+                          f"(the shortest, templated, has {min(lengths)} tokens), got {limit}")
     if len(kept) < len(examples):
         log.warning("task.max_prompt_tokens=%d: dropped %d of %d %s rows whose prompt is "
                     "longer", limit, len(examples) - len(kept), len(examples), what)
-    if not kept:
-        raise ValueError(f"task.max_prompt_tokens={limit}: every prompt of {what} is longer")
     return kept
 
 
 def build_task(cfg: Config, tokenizer):
     """The configured task; a file task's rows read, their prompts longer than
-    ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped."""
+    ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped.
+    Raises ConfigError (one line) for unreadable rows or no prompt short enough."""
     t = cfg.task
     if t.name == "arithmetic":
         return ArithmeticTask(
@@ -53,13 +56,17 @@ def build_task(cfg: Config, tokenizer):
                                scoring=t.scoring, seed=cfg.seed)
     fmt = prompt_format(cfg)
 
-    def load(path: str) -> list[Example]:
-        examples = load_examples(path, question_field=t.question_field,
-                                 answer_field=t.answer_field)
+    def load(key: str, path: str) -> list[Example]:
+        try:
+            examples = load_examples(path, question_field=t.question_field,
+                                     answer_field=t.answer_field)
+        except ValueError as e:  # one line naming the row and what is wrong
+            raise ConfigError(f"config key {key!r}: {e}") from None
         return _short_prompts(examples, tokenizer, fmt, t.max_prompt_tokens, path)
 
-    return FileTask(load(t.jsonl_path), checked_reward(t.reward or "math_verify"),
-                    eval_examples=load(t.eval_path) if t.eval_path else None)
+    return FileTask(load("task.jsonl_path", t.jsonl_path),
+                    checked_reward(t.reward or "math_verify"),
+                    eval_examples=load("task.eval_path", t.eval_path) if t.eval_path else None)
 
 
 # files that make a checkpoint directory a Hugging Face tokenizer directory too

@@ -290,7 +290,7 @@ def train(argv: list[str]) -> int:
     try:
         outcome = run_train(cfg, resume=args.resume, progress=not args.no_progress,
                             log_every=args.log_every)
-    except FileExistsError as e:  # a fresh start into a run's directory (checked first)
+    except (FileExistsError, ConfigError) as e:  # a run's directory, the data (read first)
         fail(p, str(e))
     except KeyboardInterrupt:  # before the RL loop's own handler (warm-up, start-up)
         print(f"satjax train: interrupted before the first RL step of this start; "
@@ -352,7 +352,10 @@ def sft(argv: list[str]) -> int:
     from satjax.factory import build_task, build_tokenizer
 
     tok = build_tokenizer(cfg)
-    task = build_task(cfg, tok)
+    try:
+        task = build_task(cfg, tok)
+    except ConfigError as e:
+        fail(p, str(e))
     try:
         warm_start(cfg, tok, task, progress=not args.no_progress, log_every=args.log_every)
     except KeyboardInterrupt:
@@ -407,7 +410,7 @@ def evaluate(argv: list[str]) -> int:
     try:
         check_resources(cfg)
         task = build_task(cfg, tok)
-    except (ConfigError, ValueError) as e:
+    except ConfigError as e:
         fail(p, str(e))
     # the latest version may be a delta: rebuilt from its keyframe
     model = from_pretrained(path) if latest is None else published_model(sub, latest)
@@ -419,4 +422,42 @@ def evaluate(argv: list[str]) -> int:
     )
     json.dump({"model": path, **result.as_dict()}, sys.stdout)
     print()
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    p = parser("satjax export", "Writes a published version (a full one, or a delta rebuilt "
+                                "from its keyframe) as a complete Hugging Face model: "
+                                "config, safetensors, generation config, tokenizer.")
+    p.add_argument("--version", type=int, default=None,
+                   help="the version to export (default: the latest)")
+    p.add_argument("--out", required=True, help="directory to write (must not exist)")
+    args = p.parse_args(argv)
+    cfg = load(p, args)
+    saved = RunDirs(cfg.run_dir).config
+    if args.config is None and saved.is_file():  # the run's own tokenizer and model
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            fail(p, str(e))
+    if Path(args.out).exists():
+        fail(p, f"--out: must not exist yet, got {args.out!r}")
+    from satjax.weight_sync import WeightSubscriber, WeightSyncError
+
+    sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
+    version = sub.latest_version() if args.version is None else args.version
+    if version is None:
+        fail(p, f"run_dir {cfg.run_dir!r}: has no published weights")
+    try:
+        sub.checkpoint_dir(version)
+    except WeightSyncError as e:
+        fail(p, f"--version: {e} (kept: the newest versions and their keyframes)")
+    from satjax.factory import build_tokenizer
+    from satjax.model import save_pretrained
+    from satjax.rollout.builtin_engine import published_model
+
+    model = published_model(sub, version)  # float32, canary-checked
+    save_pretrained(model, args.out, tokenizer=build_tokenizer(cfg))
+    print(f"wrote version {version} to {args.out} (a Hugging Face model: "
+          "AutoModelForCausalLM.from_pretrained / vllm serve load it)")
     return 0
