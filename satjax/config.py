@@ -177,8 +177,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class SftConfig:
-    # "auto": the tiny preset is warmed up, a model.path checkpoint is not; "on"; "off"
-    mode: Literal["auto", "on", "off"] = "auto"
+    # "auto": the tiny preset is warmed up, a model.path checkpoint is not; "always"; "never"
+    mode: Literal["auto", "always", "never"] = "auto"
     steps: int = 100
     learning_rate: float = 3e-3
     batch_size: int = 64
@@ -446,13 +446,12 @@ def max_sequence_tokens(cfg: Config) -> int:
 
 
 def train_buckets(cfg: Config) -> tuple[int, ...]:
-    """The padded lengths the trainer uses: ``train.buckets`` up to the first that holds
-    :func:`max_sequence_tokens`, or with that length added when none does, so every
-    trajectory a worker makes fits one (and the queue's ``--max-seq-len`` is the last)."""
+    """The padded lengths the trainer uses: ``train.buckets``, with
+    :func:`max_sequence_tokens` added when it is longer than all of them, so every
+    trajectory a worker makes fits one (the queue's ``--max-seq-len`` is the last)."""
     limit = max_sequence_tokens(cfg)
-    below = tuple(b for b in cfg.train.buckets if b < limit)
-    covering = [b for b in cfg.train.buckets if b >= limit]
-    return (*below, covering[0] if covering else limit)
+    buckets = cfg.train.buckets
+    return buckets if max(buckets) >= limit else (*buckets, limit)
 
 
 def dump_config(cfg: Config) -> str:

@@ -338,7 +338,7 @@ def _checkpoint_note(dirs: RunDirs) -> str:
 def sft(argv: list[str]) -> int:
     p = parser("satjax sft", "Supervised warm-up on the task's reference answers (sft.*); "
                              "writes a HF checkpoint to <run_dir>/sft. By default it runs "
-                             "for the tiny preset only: with model.path, --set sft.mode=on.")
+                             "for the tiny preset only: with model.path, --set sft.mode=always.")
     args = p.parse_args(argv)
     cfg = load(p, args)
     from satjax.train.sft import warmup_enabled
@@ -346,7 +346,7 @@ def sft(argv: list[str]) -> int:
     if not warmup_enabled(cfg):
         fail(p, f"sft.mode {cfg.sft.mode!r}: no warm-up to run"
                 + (f" for model.path {cfg.model.path!r} (a checkpoint starts RL as it is); "
-                   "--set sft.mode=on fine-tunes it on the task's reference answers"
+                   "--set sft.mode=always fine-tunes it on the task's reference answers"
                    if cfg.model.path and cfg.sft.mode == "auto" else ""))
     from satjax.app.run import warm_start
     from satjax.factory import build_task, build_tokenizer

@@ -376,6 +376,7 @@ def _warmup_score(warmup_cfg, warmup: dict[str, Any]) -> float:
     task = build_task(warmup_cfg, tok)
     model = warm_start(warmup_cfg, tok, task)
     path = Path(warmup_cfg.run_dir) / "score.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # no warm-up (model.path) made it
     key = json.loads(json.dumps([warmup, dataclasses.asdict(warmup_cfg.eval)]))
     if path.exists() and json.loads(path.read_text()).get("key") == key:
         return json.loads(path.read_text())["avg_at_k"]

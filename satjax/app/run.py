@@ -148,7 +148,7 @@ def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every
     if not warmup_enabled(cfg):
         status(f"loading the policy from {cfg.model.path} (no warm-up: sft.mode "
                f"{cfg.sft.mode})" if cfg.model.path
-               else "a freshly initialised policy (no warm-up: sft.mode off)")
+               else "a freshly initialised policy (no warm-up: sft.mode never)")
         return build_model(cfg, tokenizer)
     settings = sft_settings(cfg)
     cached = _cached_warm_start(dirs, settings)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 
 from satjax.data.tasks import Example, RewardFn, exact_match_reward, math_answer_reward
 
@@ -29,13 +31,18 @@ def _exact(response: str, example: Example) -> float:
 
 def import_reward(spec: str) -> RewardFn:
     """The function ``spec`` names: "math_verify", "exact" or "module:function" (the
-    module importable from the working directory or ``PYTHONPATH``). Raises ValueError
+    module importable from the working directory or ``PYTHONPATH``; imported once per
+    process, as any module). Raises ValueError
     (one line) when it cannot be imported or is not callable."""
     if spec == "math_verify":
         return _math_verify
     if spec == "exact":
         return _exact
     module_name, _, func_name = spec.partition(":")
+    # the working directory first, as `python -m` has it: the console script `satjax`
+    # (whose sys.path starts at its bin directory) finds a reward module next to the data
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

@@ -25,9 +25,9 @@ from satjax.model.logprobs import token_logprobs
 
 
 def warmup_enabled(cfg: Config) -> bool:
-    """Whether the run starts with the SFT warm-up: ``sft.mode`` "on", or "auto" without
+    """Whether the run starts with the SFT warm-up: ``sft.mode`` "always", or "auto" without
     ``model.path``."""
-    return cfg.sft.mode == "on" or (cfg.sft.mode == "auto" and not cfg.model.path)
+    return cfg.sft.mode == "always" or (cfg.sft.mode == "auto" and not cfg.model.path)
 
 
 def encode_sft_batch(

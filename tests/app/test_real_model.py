@@ -137,7 +137,7 @@ def test_user_mistakes_are_one_line_exit_2(small, tmp_path, capsys, monkeypatch)
     err = _error(capsys, "train", [*base, "--set", "task.reward=my_reward:nope"])
     assert "module 'my_reward' has no function 'nope'" in err
     err = _error(capsys, "sft", base)
-    assert "no warm-up to run for model.path" in err and "sft.mode=on" in err
+    assert "no warm-up to run for model.path" in err and "sft.mode=always" in err
 
     # a checkpoint without its tokenizer files, and one of another model type
     bare = tmp_path / "bare"

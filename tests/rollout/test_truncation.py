@@ -124,7 +124,7 @@ def test_buckets_follow_prompt_and_response_limits():
     assert train_buckets(cfg) == (1024, 2048, 4096, 4608)  # the README recipe's trap
     cfg = load_config(overrides=["task.max_prompt_tokens=100", "rollout.max_new_tokens=20",
                                  "train.buckets=[32,64,128,256]"])
-    assert train_buckets(cfg) == (32, 64, 128)  # 128 holds 120: larger ones are never used
+    assert train_buckets(cfg) == (32, 64, 128, 256)  # 256 holds 120 already
 
 
 def test_stop_strings_cut_after_the_completing_token():
