@@ -110,8 +110,8 @@ class TaskConfig:
     # longer prompts are dropped when the data is loaded (counted and logged once); with
     # rollout.max_new_tokens it sets the longest sequence, hence the largest bucket
     max_prompt_tokens: int = 1024
-    # "": the task's own (exact match; math_verify for jsonl); "math_verify"; "exact";
-    # "module:function", a function (response: str, example) -> float
+    # "": the task's own (a built-in task's scoring; math_verify for jsonl); "math_verify";
+    # "exact"; "module:function", a function (response: str, example) -> float
     reward: str = ""
 
 
@@ -393,9 +393,8 @@ def _check_values(cfg: Config) -> None:
     need(cfg.rollout.overlong_penalty >= 0, "rollout.overlong_penalty", ">= 0")
     need(cfg.task.reward in ("", "math_verify", "exact") or cfg.task.reward.count(":") == 1,
          "task.reward", "'', 'math_verify', 'exact' or 'module:function'")
-    for key in ("task.eval_path", "task.reward"):
-        need(cfg.task.name == "jsonl" or not getattr(cfg.task, key.split(".")[1]), key,
-             "empty unless task.name is 'jsonl' (a built-in task scores itself)")
+    need(cfg.task.name == "jsonl" or not cfg.task.eval_path, "task.eval_path",
+         "empty unless task.name is 'jsonl' (a built-in task makes its held-out split)")
     need(cfg.eval.num_prompts >= 1, "eval.num_prompts", ">= 1")
     need(cfg.eval.k >= 1, "eval.k", ">= 1")
     need(cfg.eval.temperature >= 0, "eval.temperature", ">= 0")

@@ -14,7 +14,14 @@ from flax import nnx
 from satjax.config import Config, ConfigError
 from satjax.data.prompts import PromptFormat
 from satjax.data.rewards import checked_reward
-from satjax.data.tasks import ArithmeticTask, DigitStringTask, Example, FileTask, load_examples
+from satjax.data.tasks import (
+    ArithmeticTask,
+    DigitStringTask,
+    Example,
+    FileTask,
+    RescoredTask,
+    load_examples,
+)
 from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
 from satjax.rollout.engine import SamplingParams
@@ -47,13 +54,12 @@ def build_task(cfg: Config, tokenizer):
     ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped.
     Raises ConfigError (one line) for unreadable rows or no prompt short enough."""
     t = cfg.task
-    if t.name == "arithmetic":
-        return ArithmeticTask(
-            min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops, seed=cfg.seed
-        )
-    if t.name in ("sort", "reverse"):
-        return DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
-                               scoring=t.scoring, seed=cfg.seed)
+    if t.name in ("arithmetic", "sort", "reverse"):
+        builtin = ArithmeticTask(min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops,
+                                 seed=cfg.seed) if t.name == "arithmetic" else \
+            DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
+                            scoring=t.scoring, seed=cfg.seed)
+        return RescoredTask(builtin, checked_reward(t.reward)) if t.reward else builtin
     fmt = prompt_format(cfg)
 
     def load(key: str, path: str) -> list[Example]:

@@ -250,5 +250,11 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
         check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
                                             "train.mesh={data: 8}", "rollout.engine=builtin"]))
     (other / "tokenizer.json").write_text("{}")  # found (not read) by the check
+    # the config's prompt_template: chat needs a chat template
+    with pytest.raises(ConfigError, match="'task.prompt_template': must be 'chat' only with "
+                                          "a Hugging Face tokenizer that has a chat template"):
+        check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
+                                            "train.mesh={data: 8}", "rollout.engine=builtin"]))
+    (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
                                         "train.mesh={data: 8}", "rollout.engine=builtin"]))

@@ -121,6 +121,7 @@ def check_resources(cfg: Config) -> None:
                    "a Hugging Face tokenizer is read with transformers", tok_dir)
     if cfg.task.name == "jsonl":
         _check_data(cfg, need)
+    _check_reward(cfg.task.reward or ("math_verify" if cfg.task.name == "jsonl" else ""))
     if cfg.task.prompt_template == "chat":
         need(bool(tok_dir) and has_chat_template(tok_dir), "task.prompt_template",
              "'chat' only with a Hugging Face tokenizer that has a chat template "
@@ -165,9 +166,8 @@ def has_chat_template(tokenizer_dir: str) -> bool:
 
 
 def _check_data(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> None:
-    """The jsonl task's files, fields, template fields and reward: read from each file's
-    first row only (fast), so a typo fails before the model loads."""
-    from satjax.data.rewards import import_reward
+    """The jsonl task's files, fields and template fields: read from each file's first row
+    only (fast), so a typo fails before the model loads."""
     from satjax.data.tasks import data_format, first_row
 
     t = cfg.task
@@ -200,11 +200,15 @@ def _check_data(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> Non
             except ValueError as e:
                 raise ConfigError(f"config key 'task.prompt_template': must be a format "
                                   f"string ({e}), got {t.prompt_template!r}") from None
-    reward = t.reward or "math_verify"
+def _check_reward(reward: str) -> None:
+    """The reward ``task.reward`` names can be computed: its extra installed, its module
+    imported (once: the process keeps it)."""
+    from satjax.data.rewards import import_reward
+
     if reward == "math_verify":
         need_extra("math_verify", "math", "task.reward",
                    "the math_verify reward needs math-verify", reward)
-    elif reward != "exact":
+    elif reward not in ("", "exact"):
         try:
             import_reward(reward)
         except ValueError as e:

@@ -335,3 +335,21 @@ class FileTask:
 
     def reward(self, response: str, example: Example) -> float:
         return self.reward_fn(response, example)
+
+
+@dataclasses.dataclass(frozen=True)
+class RescoredTask:
+    """A built-in task scored by ``reward_fn`` instead of its own reward (``task.reward``)."""
+
+    task: ArithmeticTask | DigitStringTask
+    reward_fn: RewardFn
+
+    @property
+    def size(self) -> int:
+        return self.task.size
+
+    def example(self, index: int, split: str = "train") -> Example:
+        return self.task.example(index, split)
+
+    def reward(self, response: str, example: Example) -> float:
+        return self.reward_fn(response, example)

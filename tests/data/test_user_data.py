@@ -133,3 +133,17 @@ def test_long_prompts_dropped_at_load_counted_once(tmp_path, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs == [f"task.max_prompt_tokens=10: dropped 2 of 4 {path} rows whose prompt "
                     "is longer"]
+
+
+def test_a_builtin_task_takes_a_user_reward(tmp_path, monkeypatch):
+    from satjax.config import load_config
+    from satjax.factory import build_task
+
+    (tmp_path / "len_reward.py").write_text("def score(response, example):\n"
+                                            "    return float(len(response))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(overrides=["task.reward=len_reward:score"])
+    task = build_task(cfg, CharTokenizer())
+    ex = task.example(3)
+    assert ex == build_task(load_config(), CharTokenizer()).example(3)
+    assert task.reward("abc", ex) == 3.0
