@@ -201,3 +201,20 @@ def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
     assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
                                                          jax.tree.leaves(after), strict=True))
+
+
+def test_stop_ids_come_from_tokenizer_generation_config_and_config(small, tmp_path):
+    from satjax.config import load_config
+    from satjax.factory import build_tokenizer, stop_token_ids, worker_config
+
+    model = tmp_path / "model"
+    shutil.copytree(small / "model", model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 7]}))
+    cfg = load_config(overrides=[f"model.path={model}",
+                                 'rollout.stop=["<|im_start|>", "The end"]'])
+    tok = build_tokenizer(cfg)
+    # EOS, the checkpoint's end-of-turn ids, then one-token stop strings as ids
+    assert stop_token_ids(cfg, tok) == (tok.eos_id, 7, tok.token_id("<|im_start|>"))
+    # a stop string of several tokens is cut by the worker
+    assert worker_config(cfg, tok, seed=0, worker_id="w").stop_strings == ("The end",)
