@@ -218,3 +218,17 @@ def test_stop_ids_come_from_tokenizer_generation_config_and_config(small, tmp_pa
     assert stop_token_ids(cfg, tok) == (tok.eos_id, 7, tok.token_id("<|im_start|>"))
     # a stop string of several tokens is cut by the worker
     assert worker_config(cfg, tok, seed=0, worker_id="w").stop_strings == ("The end",)
+
+
+def test_a_failure_before_any_checkpoint_does_not_suggest_resume(small, tmp_path, capsys):
+    from satjax.app import commands
+
+    broken = tmp_path / "broken"
+    shutil.copytree(small / "model", broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    code = commands.train(["--no-progress", *_user_settings(small, tmp_path / "run"),
+                           "--set", f"model.path={broken}", "--set", "task.reward=exact"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines()[-1] == ("satjax train: failed; no checkpoint yet; fix the error "
+                                    "above and start the run again (there is nothing to resume)")
