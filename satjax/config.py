@@ -93,9 +93,26 @@ class TaskConfig:
     # sort/reverse only: reward "exact" (1 if the whole string is right) or "per_position"
     scoring: Literal["exact", "per_position"] = "exact"
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
-    jsonl_path: str = ""
+    jsonl_path: str = ""  # the training rows: a JSONL or Parquet file, or a datasets directory
     # local HF tokenizer dir; empty: model.path if it holds one, else the char tokenizer
     tokenizer_path: str = ""
+    # the rows' fields holding the problem and the reference answer (jsonl task)
+    question_field: str = "question"
+    answer_field: str = "answer"
+    # held-out rows (same format), scored whole by `satjax eval` and eval.every; empty:
+    # the first 10% of jsonl_path
+    eval_path: str = ""
+    # "raw": the prompt text as is; "chat": the tokenizer's chat template (one user turn,
+    # after system_prompt if set); else a format string over the row's fields, e.g.
+    # "Question: {question}\nAnswer:". BOS as the tokenizer adds it, never twice.
+    prompt_template: str = "raw"
+    system_prompt: str = ""
+    # longer prompts are dropped when the data is loaded (counted and logged once); with
+    # rollout.max_new_tokens it sets the longest sequence, hence the largest bucket
+    max_prompt_tokens: int = 1024
+    # "": the task's own (a built-in task's scoring; math_verify for jsonl); "math_verify";
+    # "exact"; "module:function", a function (response: str, example) -> float
+    reward: str = ""
 
 
 @dataclasses.dataclass
@@ -111,6 +128,14 @@ class RolloutConfig:
     sample_dtype: Dtype = "bfloat16"
     record_routes: bool = True
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
+    # extra stop strings (the tokenizer's EOS and generation_config eos ids always stop)
+    stop: tuple[str, ...] = ()
+    # responses cut at max_new_tokens (truncated): "keep" trains on them as scored;
+    # "mask" leaves them out of the loss (DAPO's overlong filtering); "penalty" adds DAPO's
+    # soft overlong punishment to the reward (overlong_buffer, overlong_penalty)
+    overlong: Literal["keep", "mask", "penalty"] = "keep"
+    overlong_buffer: int = 0  # the last this-many tokens before max_new_tokens ramp to it
+    overlong_penalty: float = 1.0
 
 
 @dataclasses.dataclass
@@ -152,6 +177,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class SftConfig:
+    # "auto": the tiny preset is warmed up, a model.path checkpoint is not; "always"; "never"
+    mode: Literal["auto", "always", "never"] = "auto"
     steps: int = 100
     learning_rate: float = 3e-3
     batch_size: int = 64
@@ -165,7 +192,8 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class EvalConfig:
-    num_prompts: int = 64
+    every: int = 0  # during training, evaluate every this many steps (0: never)
+    num_prompts: int = 64  # held-out prompts (a task.eval_path file is scored whole)
     k: int = 4
     temperature: float = 1.0
 
@@ -356,6 +384,17 @@ def _check_values(cfg: Config) -> None:
     need(cfg.sft.steps >= 0, "sft.steps", ">= 0")
     need(cfg.sft.batch_size >= 1, "sft.batch_size", ">= 1")
     need(cfg.sft.learning_rate > 0, "sft.learning_rate", "> 0")
+    need(cfg.eval.every >= 0, "eval.every", ">= 0 (0: no evaluation during training)")
+    need(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1")
+    need(bool(cfg.task.prompt_template), "task.prompt_template",
+         "'raw', 'chat' or a format string")
+    need(0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_new_tokens,
+         "rollout.overlong_buffer", ">= 0 and < rollout.max_new_tokens")
+    need(cfg.rollout.overlong_penalty >= 0, "rollout.overlong_penalty", ">= 0")
+    need(cfg.task.reward in ("", "math_verify", "exact") or cfg.task.reward.count(":") == 1,
+         "task.reward", "'', 'math_verify', 'exact' or 'module:function'")
+    need(cfg.task.name == "jsonl" or not cfg.task.eval_path, "task.eval_path",
+         "empty unless task.name is 'jsonl' (a built-in task makes its held-out split)")
     need(cfg.eval.num_prompts >= 1, "eval.num_prompts", ">= 1")
     need(cfg.eval.k >= 1, "eval.k", ">= 1")
     need(cfg.eval.temperature >= 0, "eval.temperature", ">= 0")
@@ -397,6 +436,21 @@ def _check_objective(obj: ObjectiveConfig) -> None:
         field, _, what = str(e).partition(": ")
         key = f"objective.hparams.{field}" if field in allowed else "objective.hparams"
         raise ConfigError(f"config key {key!r}: {what or e}") from None
+
+
+def max_sequence_tokens(cfg: Config) -> int:
+    """The longest trajectory a run makes: ``task.max_prompt_tokens`` prompt tokens (longer
+    prompts are dropped at load) plus ``rollout.max_new_tokens`` response tokens."""
+    return cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def train_buckets(cfg: Config) -> tuple[int, ...]:
+    """The padded lengths the trainer uses: ``train.buckets``, with
+    :func:`max_sequence_tokens` added when it is longer than all of them, so every
+    trajectory a worker makes fits one (the queue's ``--max-seq-len`` is the last)."""
+    limit = max_sequence_tokens(cfg)
+    buckets = cfg.train.buckets
+    return buckets if max(buckets) >= limit else (*buckets, limit)
 
 
 def dump_config(cfg: Config) -> str:

@@ -5,33 +5,74 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
 from flax import nnx
 
-from satjax.config import Config
+from satjax.config import Config, ConfigError
+from satjax.data.prompts import PromptFormat
+from satjax.data.rewards import checked_reward
 from satjax.data.tasks import (
     ArithmeticTask,
     DigitStringTask,
-    JsonlMathTask,
-    load_jsonl_examples,
+    Example,
+    FileTask,
+    RescoredTask,
+    load_examples,
 )
 from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretrained
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
 from satjax.rollout.engine import SamplingParams
+from satjax.rollout.worker import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 
-def build_task(cfg: Config):
+def prompt_format(cfg: Config) -> PromptFormat:
+    """``task.prompt_template`` and ``task.system_prompt``."""
+    return PromptFormat(cfg.task.prompt_template, cfg.task.system_prompt)
+
+
+def _short_prompts(examples: list[Example], tokenizer, fmt: PromptFormat, limit: int,
+                   what: str) -> list[Example]:
+    """``examples`` without those whose prompt is longer than ``limit`` tokens (logged)."""
+    lengths = [len(fmt.encode(tokenizer, ex)) for ex in examples]
+    kept = [ex for ex, n in zip(examples, lengths, strict=True) if n <= limit]
+    if not kept:
+        raise ConfigError(f"config key 'task.max_prompt_tokens': must fit a prompt of {what} "
+                          f"(the shortest, templated, has {min(lengths)} tokens), got {limit}")
+    if len(kept) < len(examples):
+        log.warning("task.max_prompt_tokens=%d: dropped %d of %d %s rows whose prompt is "
+                    "longer", limit, len(examples) - len(kept), len(examples), what)
+    return kept
+
+
+def build_task(cfg: Config, tokenizer):
+    """The configured task; a file task's rows read, their prompts longer than
+    ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped.
+    Raises ConfigError (one line) for unreadable rows or no prompt short enough."""
     t = cfg.task
-    if t.name == "arithmetic":
-        return ArithmeticTask(
-            min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops, seed=cfg.seed
-        )
-    if t.name in ("sort", "reverse"):
-        return DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
-                               scoring=t.scoring, seed=cfg.seed)
-    return JsonlMathTask(load_jsonl_examples(t.jsonl_path))
+    if t.name in ("arithmetic", "sort", "reverse"):
+        builtin = ArithmeticTask(min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops,
+                                 seed=cfg.seed) if t.name == "arithmetic" else \
+            DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
+                            scoring=t.scoring, seed=cfg.seed)
+        return RescoredTask(builtin, checked_reward(t.reward)) if t.reward else builtin
+    fmt = prompt_format(cfg)
+
+    def load(key: str, path: str) -> list[Example]:
+        try:
+            examples = load_examples(path, question_field=t.question_field,
+                                     answer_field=t.answer_field)
+        except ValueError as e:  # one line naming the row and what is wrong
+            raise ConfigError(f"config key {key!r}: {e}") from None
+        return _short_prompts(examples, tokenizer, fmt, t.max_prompt_tokens, path)
+
+    return FileTask(load("task.jsonl_path", t.jsonl_path),
+                    checked_reward(t.reward or "math_verify"),
+                    eval_examples=load("task.eval_path", t.eval_path) if t.eval_path else None)
 
 
 # files that make a checkpoint directory a Hugging Face tokenizer directory too
@@ -113,6 +154,20 @@ def build_model(cfg: Config, tokenizer, *, seed: int | None = None) -> Qwen3MoeF
         mcfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed), **model_options(cfg))
 
 
+def stop_token_ids(cfg: Config, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's EOS, ``model.path``'s
+    generation_config.json ``eos_token_id`` (e.g. a chat model's end-of-turn token) and
+    the ``rollout.stop`` strings that are one token each."""
+    ids = [tokenizer.eos_id]
+    gen = os.path.join(cfg.model.path, "generation_config.json") if cfg.model.path else ""
+    if gen and os.path.isfile(gen):
+        with open(gen) as fh:
+            eos = json.load(fh).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    ids += [i for i in (tokenizer.token_id(s) for s in cfg.rollout.stop) if i is not None]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def sampling_params(cfg: Config, tokenizer, *, temperature: float | None = None) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(
@@ -120,5 +175,17 @@ def sampling_params(cfg: Config, tokenizer, *, temperature: float | None = None)
         top_p=r.top_p,
         top_k=r.top_k,
         max_new_tokens=r.max_new_tokens,
-        stop_token_ids=(tokenizer.eos_id,),
+        stop_token_ids=stop_token_ids(cfg, tokenizer),
     )
+
+
+def worker_config(cfg: Config, tokenizer, *, seed: int, worker_id: str) -> WorkerConfig:
+    """A rollout worker's settings from the run's config."""
+    r = cfg.rollout
+    return WorkerConfig(
+        group_size=r.group_size, prompts_per_batch=r.prompts_per_step,
+        sampling=sampling_params(cfg, tokenizer), seed=seed, worker_id=worker_id,
+        record_routes=r.record_routes, prompt=prompt_format(cfg),
+        stop_strings=tuple(s for s in r.stop if tokenizer.token_id(s) is None),
+        overlong=r.overlong, overlong_buffer=r.overlong_buffer,
+        overlong_penalty=r.overlong_penalty)

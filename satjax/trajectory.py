@@ -47,6 +47,11 @@ class Trajectory:
     generation_seconds: float = 0.0
 
     @property
+    def truncated(self) -> bool:
+        """Cut at ``max_new_tokens`` rather than ended by a stop token."""
+        return self.finish_reason == "length"
+
+    @property
     def num_tokens(self) -> int:
         """P + N."""
         return int(len(self.prompt_tokens) + len(self.response_tokens))

@@ -150,10 +150,11 @@ def test_truncated_sampling_is_refused_during_rl():
 
 def test_digit_string_task_config():
     from satjax.factory import build_task
+    from satjax.model.tokenizer import CharTokenizer
 
     cfg = load_config(overrides=["task.name=reverse", "task.min_digits=6", "task.max_digits=6",
                                  "task.scoring=per_position"])
-    task = build_task(cfg)
+    task = build_task(cfg, CharTokenizer())
     ex = task.example(0)
     assert ex.prompt.startswith("reverse:") and len(ex.answer) == 6
     assert task.reward(ex.answer[:5] + "x", ex) == pytest.approx(5 / 6)
@@ -167,8 +168,8 @@ def test_range_errors_say_what_and_got():
     with pytest.raises(ConfigError, match=r"'train\.exact_lag': must be <= train\.max_lag"):
         load_config(overrides=["train.max_lag=1", "train.exact_lag=2"])
     # paths are checked with the files they name, where a command starts
-    with pytest.raises(ConfigError, match=r"'task\.jsonl_path': must be an existing file, "
-                                          r"got ''"):
+    with pytest.raises(ConfigError, match=r"'task\.jsonl_path': must be an existing file "
+                                          r"\(JSONL or Parquet\) or datasets directory, got ''"):
         check_resources(load_config(overrides=["task.name=jsonl"]))
 
 
@@ -243,5 +244,17 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
         check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic"]))
     (other / "config.json").write_text(json.dumps(
         Qwen3MoeConfig(**cfg.model.overrides).to_hf_dict()))
+    # a 151936-token model needs its tokenizer: the character tokenizer does not fit it
+    with pytest.raises(ConfigError, match="'task.tokenizer_path': must be set: model.path "
+                                          "has no tokenizer files"):
+        check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
+                                            "train.mesh={data: 8}", "rollout.engine=builtin"]))
+    (other / "tokenizer.json").write_text("{}")  # found (not read) by the check
+    # the config's prompt_template: chat needs a chat template
+    with pytest.raises(ConfigError, match="'task.prompt_template': must be 'chat' only with "
+                                          "a Hugging Face tokenizer that has a chat template"):
+        check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
+                                            "train.mesh={data: 8}", "rollout.engine=builtin"]))
+    (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
                                         "train.mesh={data: 8}", "rollout.engine=builtin"]))

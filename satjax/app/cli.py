@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "rollout": ("satjax.app.worker_process", "main",
                 "run one rollout worker (train starts these itself)"),
     "eval": ("satjax.app.commands", "evaluate", "avg@k and pass@k on the held-out split"),
+    "export": ("satjax.app.commands", "export",
+               "a published version (full or delta) as a complete Hugging Face model"),
     "lag-sweep": ("satjax.app.lag_sweep", "main", "objectives x lags x seeds experiment"),
 }
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
 import shlex
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -73,29 +75,57 @@ def check_resources(cfg: Config) -> None:
     """What ``load_config`` cannot check without looking outside the config: the paths it
     names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
     nothing is built or loaded. Raises ConfigError naming the key."""
-    from satjax.factory import architecture_mismatch  # imports jax, as load_config has
+    # imports jax, as load_config has
+    from satjax.factory import TOKENIZER_FILES, architecture_mismatch, model_config, tokenizer_path
+    from satjax.model.tokenizer import CharTokenizer
 
     def need(cond: bool, key: str, what: str, value: Any) -> None:
         if not cond:
             raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
 
     if cfg.model.path:
-        need((Path(cfg.model.path) / "config.json").is_file(), "model.path",
+        config_json = Path(cfg.model.path) / "config.json"
+        need(config_json.is_file(), "model.path",
              "a Hugging Face checkpoint directory (with config.json)", cfg.model.path)
+        model_type = json.loads(config_json.read_text()).get("model_type")
+        need(model_type in SUPPORTED_MODEL_TYPES, "model.path",
+             f"a Qwen3-MoE or dense Qwen3 checkpoint (config.json model_type "
+             f"{' or '.join(SUPPORTED_MODEL_TYPES)}; this one is {model_type!r})",
+             cfg.model.path)
         mismatch = architecture_mismatch(cfg)
         need(not mismatch, "model.path", "a checkpoint of the architecture model.overrides "
              f"gives ({'; '.join(mismatch)})", cfg.model.path)
+        if not model_config(cfg).moe_layer_indices:  # dense: no experts, no routes
+            for key in ("train.replay", "rollout.record_routes"):
+                section, name = key.split(".")
+                need(not getattr(getattr(cfg, section), name), key,
+                     f"false for a dense model ({cfg.model.path} has no MoE layers, so "
+                     "there are no routes to record or replay)", True)
+        if not tokenizer_path(cfg):
+            vocab = model_config(cfg).vocab_size
+            need(vocab == CharTokenizer().vocab_size, "task.tokenizer_path",
+                 f"set: model.path has no tokenizer files ({', '.join(TOKENIZER_FILES)}) "
+                 f"and the built-in character tokenizer does not fit its {vocab}-token "
+                 "vocabulary", "")
     else:
         # a config that writes an architecture out (configs/qwen3-30b-a3b.yaml) names the
         # model to load; satjax does not RL-train one from random weights
         need(cfg.model.preset == "tiny", "model.path",
              "a local checkpoint directory of the model model.overrides describes", "")
-    if cfg.task.name == "jsonl":
-        need(Path(cfg.task.jsonl_path).is_file(), "task.jsonl_path", "an existing file",
-             cfg.task.jsonl_path)
     if cfg.task.tokenizer_path:
         need(Path(cfg.task.tokenizer_path).is_dir(), "task.tokenizer_path",
              "an existing tokenizer directory", cfg.task.tokenizer_path)
+    tok_dir = tokenizer_path(cfg)
+    if tok_dir:
+        need_extra("transformers", "hf", "task.tokenizer_path",
+                   "a Hugging Face tokenizer is read with transformers", tok_dir)
+    if cfg.task.name == "jsonl":
+        _check_data(cfg, need)
+    _check_reward(cfg.task.reward or ("math_verify" if cfg.task.name == "jsonl" else ""))
+    if cfg.task.prompt_template == "chat":
+        need(bool(tok_dir) and has_chat_template(tok_dir), "task.prompt_template",
+             "'chat' only with a Hugging Face tokenizer that has a chat template "
+             f"(tokenizer: {tok_dir or 'the built-in character tokenizer'})", "chat")
     import jax  # load_config has imported it already (the objectives' checks)
 
     devices = jax.device_count()
@@ -111,6 +141,79 @@ def check_resources(cfg: Config) -> None:
         except ValueError as e:  # "rollout.vllm_python: <what is wrong>"
             raise ConfigError(f"config key 'rollout.vllm_python': {str(e).partition(': ')[2]}"
                               ) from None
+
+
+# config.json model_type values satjax loads (satjax.model.hf_io.from_pretrained)
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
+
+
+def need_extra(module: str, extra: str, key: str, why: str, value: Any) -> None:
+    """Raises ConfigError naming ``key`` and the install command when ``module`` (an
+    optional dependency) is not importable."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"config key {key!r}: {why}, which is not installed: "
+                          f"pip install 'satjax[{extra}]' (got {value!r})")
+
+
+def has_chat_template(tokenizer_dir: str) -> bool:
+    """Whether a HF tokenizer directory has a chat template (in tokenizer_config.json or
+    chat_template.jinja), read without loading the tokenizer."""
+    d = Path(tokenizer_dir)
+    if (d / "chat_template.jinja").is_file():
+        return True
+    config = d / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def _check_data(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> None:
+    """The jsonl task's files, fields and template fields: read from each file's first row
+    only (fast), so a typo fails before the model loads."""
+    from satjax.data.tasks import data_format, first_row
+
+    t = cfg.task
+    for key in ("task.jsonl_path", "task.eval_path"):
+        path = getattr(t, key.split(".")[1])
+        if not path and key == "task.eval_path":  # optional
+            continue
+        need(bool(path) and Path(path).exists(), key,
+             "an existing file (JSONL or Parquet) or datasets directory", path)
+        fmt = data_format(path)
+        if fmt != "jsonl":
+            need_extra("pyarrow" if fmt == "parquet" else "datasets", "data", key,
+                       f"reading {'Parquet' if fmt == 'parquet' else 'a datasets directory'} "
+                       "needs " + ("pyarrow" if fmt == "parquet" else "datasets"), path)
+        try:
+            row = first_row(path)
+        except ValueError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from None
+        for field_key in ("task.question_field", "task.answer_field"):
+            field = getattr(t, field_key.split(".")[1])
+            need(field in row, field_key, f"a field of {path}'s rows "
+                 f"({', '.join(map(str, row))})", field)
+        if t.prompt_template not in ("raw", "chat"):
+            try:
+                t.prompt_template.format(prompt="", **row)
+            except (KeyError, IndexError) as e:
+                raise ConfigError(f"config key 'task.prompt_template': must name only "
+                                  f"fields of {path}'s rows (prompt, "
+                                  f"{', '.join(map(str, row))}), got {{{e.args[0]}}}") from None
+            except ValueError as e:
+                raise ConfigError(f"config key 'task.prompt_template': must be a format "
+                                  f"string ({e}), got {t.prompt_template!r}") from None
+def _check_reward(reward: str) -> None:
+    """The reward ``task.reward`` names can be computed: its extra installed, its module
+    imported (once: the process keeps it)."""
+    from satjax.data.rewards import import_reward
+
+    if reward == "math_verify":
+        need_extra("math_verify", "math", "task.reward",
+                   "the math_verify reward needs math-verify", reward)
+    elif reward not in ("", "exact"):
+        try:
+            import_reward(reward)
+        except ValueError as e:
+            raise ConfigError(f"config key 'task.reward': {str(e).partition(': ')[2]}") \
+                from None
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -191,7 +294,7 @@ def train(argv: list[str]) -> int:
     try:
         outcome = run_train(cfg, resume=args.resume, progress=not args.no_progress,
                             log_every=args.log_every)
-    except FileExistsError as e:  # a fresh start into a run's directory (checked first)
+    except (FileExistsError, ConfigError) as e:  # a run's directory, the data (read first)
         fail(p, str(e))
     except KeyboardInterrupt:  # before the RL loop's own handler (warm-up, start-up)
         print(f"satjax train: interrupted before the first RL step of this start; "
@@ -209,7 +312,11 @@ def train(argv: list[str]) -> int:
                   "every process)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
-        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
+        note = _checkpoint_note(dirs)
+        # with nothing checkpointed, --resume would fail the same way: fix and start again
+        advice = cont if dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()) else \
+            "fix the error above and start the run again (there is nothing to resume)"
+        print(f"satjax train: failed; {note}; {advice}", file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:
@@ -233,24 +340,40 @@ def _checkpoint_note(dirs: RunDirs) -> str:
 
 
 def sft(argv: list[str]) -> int:
-    p = parser("satjax sft", "Supervised warm-up; writes a HF checkpoint to <run_dir>/sft.")
+    p = parser("satjax sft", "Supervised warm-up on the task's reference answers (sft.*); "
+                             "writes a HF checkpoint to <run_dir>/sft. By default it runs "
+                             "for the tiny preset only: with model.path, --set sft.mode=always.")
     args = p.parse_args(argv)
     cfg = load(p, args)
+    from satjax.train.sft import warmup_enabled
+
+    if not warmup_enabled(cfg):
+        fail(p, f"sft.mode {cfg.sft.mode!r}: no warm-up to run"
+                + (f" for model.path {cfg.model.path!r} (a checkpoint starts RL as it is); "
+                   "--set sft.mode=always fine-tunes it on the task's reference answers"
+                   if cfg.model.path and cfg.sft.mode == "auto" else ""))
     from satjax.app.run import warm_start
     from satjax.factory import build_task, build_tokenizer
 
-    tok, task = build_tokenizer(cfg), build_task(cfg)
+    tok = build_tokenizer(cfg)
+    try:
+        task = build_task(cfg, tok)
+    except ConfigError as e:
+        fail(p, str(e))
     try:
         warm_start(cfg, tok, task, progress=not args.no_progress, log_every=args.log_every)
     except KeyboardInterrupt:
         print("satjax sft: interrupted; nothing saved", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"warm-up checkpoint: {RunDirs(cfg.run_dir).sft}")
+    start = cfg.model.path or "a freshly initialised tiny MoE"
+    print(f"warm-up checkpoint: {RunDirs(cfg.run_dir).sft} ({cfg.sft.steps} steps of "
+          f"{cfg.sft.batch_size} examples from {start})")
     return 0
 
 
 def evaluate(argv: list[str]) -> int:
-    p = parser("satjax eval", "avg@k and pass@k on the held-out split (prints one JSON line).")
+    p = parser("satjax eval", "avg@k and pass@k on the held-out split: task.eval_path whole, "
+                              "else the first eval.num_prompts (prints one JSON line).")
     p.add_argument("--model", default=None,
                    help="HF checkpoint dir (default: the run's latest published weights)")
     p.add_argument("--k", type=int, default=None,
@@ -283,18 +406,62 @@ def evaluate(argv: list[str]) -> int:
         fail(p, f"--model: must be a Hugging Face checkpoint directory (with config.json), "
                 f"got {path!r}")
     from satjax.app.evaluate import evaluate as run_eval
-    from satjax.factory import build_task, build_tokenizer, sampling_params
+    from satjax.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.model import from_pretrained
     from satjax.rollout.builtin_engine import published_model
 
-    tok, task = build_tokenizer(cfg), build_task(cfg)
+    tok = build_tokenizer(cfg)
+    try:
+        check_resources(cfg)
+        task = build_task(cfg, tok)
+    except ConfigError as e:
+        fail(p, str(e))
     # the latest version may be a delta: rebuilt from its keyframe
     model = from_pretrained(path) if latest is None else published_model(sub, latest)
     result = run_eval(
         model, task, tok,
         num_prompts=args.num_prompts or cfg.eval.num_prompts, k=args.k or cfg.eval.k,
         sampling=sampling_params(cfg, tok, temperature=cfg.eval.temperature), seed=cfg.seed,
+        prompt=prompt_format(cfg),
     )
     json.dump({"model": path, **result.as_dict()}, sys.stdout)
     print()
+    return 0
+
+
+def export(argv: list[str]) -> int:
+    p = parser("satjax export", "Writes a published version (a full one, or a delta rebuilt "
+                                "from its keyframe) as a complete Hugging Face model: "
+                                "config, safetensors, generation config, tokenizer.")
+    p.add_argument("--version", type=int, default=None,
+                   help="the version to export (default: the latest)")
+    p.add_argument("--out", required=True, help="directory to write (must not exist)")
+    args = p.parse_args(argv)
+    cfg = load(p, args)
+    saved = RunDirs(cfg.run_dir).config
+    if args.config is None and saved.is_file():  # the run's own tokenizer and model
+        try:
+            cfg = load_config(saved, args.overrides)
+        except ConfigError as e:
+            fail(p, str(e))
+    if Path(args.out).exists():
+        fail(p, f"--out: must not exist yet, got {args.out!r}")
+    from satjax.weight_sync import WeightSubscriber, WeightSyncError
+
+    sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
+    version = sub.latest_version() if args.version is None else args.version
+    if version is None:
+        fail(p, f"run_dir {cfg.run_dir!r}: has no published weights")
+    try:
+        sub.checkpoint_dir(version)
+    except WeightSyncError as e:
+        fail(p, f"--version: {e} (kept: the newest versions and their keyframes)")
+    from satjax.factory import build_tokenizer
+    from satjax.model import save_pretrained
+    from satjax.rollout.builtin_engine import published_model
+
+    model = published_model(sub, version)  # float32, canary-checked
+    save_pretrained(model, args.out, tokenizer=build_tokenizer(cfg))
+    print(f"wrote version {version} to {args.out} (a Hugging Face model: "
+          "AutoModelForCausalLM.from_pretrained / vllm serve load it)")
     return 0

@@ -1,4 +1,5 @@
-"""Evaluation: avg@k and pass@k of a policy on the task's held-out split."""
+"""Evaluation: avg@k and pass@k of a policy on the task's held-out split, by
+``satjax eval`` and (``eval.every``) during training (:func:`eval_during_training`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import numpy as np
 
 from satjax.data.pipeline import decode_response, encode_prompt, eval_examples
+from satjax.data.prompts import RAW, PromptFormat
 from satjax.model.sampling import generate
 from satjax.rollout.builtin_engine import completions
 from satjax.rollout.engine import SamplingParams
@@ -29,8 +31,14 @@ class EvalResult:
 def evaluate(
     model, task, tokenizer, *, num_prompts: int, k: int, sampling: SamplingParams,
     seed: int = 0, batch_prompts: int = 32, dtype=None,
+    prompt: PromptFormat = RAW,
 ) -> EvalResult:
-    """Samples ``k`` responses for each of the first ``num_prompts`` test prompts."""
+    """Samples ``k`` responses for each held-out prompt (``eval_examples``: the first
+    ``num_prompts``, or a whole eval file) and scores them with the task's reward.
+
+    avg@k: the mean reward over prompts and samples (for 0/1 rewards, the fraction
+    correct); pass@k: the fraction of prompts with a sample of reward > 0.
+    """
     if num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {num_prompts!r}")
     if k < 1:
@@ -39,7 +47,7 @@ def evaluate(
     scores = []
     for start in range(0, len(examples), batch_prompts):
         chunk = examples[start : start + batch_prompts]
-        prompts = [encode_prompt(tokenizer, ex) for ex in chunk for _ in range(k)]
+        prompts = [encode_prompt(tokenizer, ex, prompt) for ex in chunk for _ in range(k)]
         outs = completions(prompts, generate(
             model, prompts, **dataclasses.asdict(sampling), rng=jax.random.key(seed + start),
             dtype=dtype, pad_id=tokenizer.pad_id))
@@ -56,3 +64,19 @@ def evaluate(
         num_prompts=len(examples),
         per_prompt=tuple(float(x) for x in per_prompt.mean(axis=1)),
     )
+
+
+def eval_during_training(cfg, step: int, model, task, tokenizer) -> dict[str, float]:
+    """``eval/avg@k``, ``eval/pass@k`` (k = ``eval.k``) of ``model`` at ``step`` when
+    ``eval.every`` divides it (else nothing), for the run's metrics: the trainer's own
+    policy, sampled in-process at ``eval.temperature``."""
+    every = cfg.eval.every
+    if every <= 0 or step % every:
+        return {}
+    from satjax.factory import prompt_format, sampling_params
+
+    result = evaluate(model, task, tokenizer, num_prompts=cfg.eval.num_prompts, k=cfg.eval.k,
+                      sampling=sampling_params(cfg, tokenizer,
+                                               temperature=cfg.eval.temperature),
+                      seed=cfg.seed + step, prompt=prompt_format(cfg))
+    return {f"eval/{k}": v for k, v in result.as_dict().items()}

@@ -153,9 +153,16 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
 
     from satjax.app.evaluate import evaluate
     from satjax.data.pipeline import prompt_dataset
-    from satjax.factory import build_model, build_task, build_tokenizer, sampling_params
+    from satjax.factory import (
+        build_model,
+        build_task,
+        build_tokenizer,
+        prompt_format,
+        sampling_params,
+        worker_config,
+    )
     from satjax.rollout.builtin_engine import BuiltinEngine
-    from satjax.rollout.worker import RolloutWorker, WorkerConfig
+    from satjax.rollout.worker import RolloutWorker
     from satjax.run_dir import RunDirs
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
@@ -166,16 +173,15 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     shutil.rmtree(run_dir, ignore_errors=True)  # a stale or half-done run starts over
     steps = cfg.train.steps
     t0 = time.time()
-    tok, task = build_tokenizer(cfg), build_task(cfg)
+    tok = build_tokenizer(cfg)
+    task = build_task(cfg, tok)
     trainer = Trainer(cfg, build_model(cfg, tok), tok)  # model.path: the shared warm-up
     engine = BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tok.pad_id)
     worker = RolloutWorker(
         engine, task, tok, client=None, subscriber=None,
         examples=iter(prompt_dataset(task, seed=spec.seed + 17)),
-        cfg=WorkerConfig(group_size=cfg.rollout.group_size,
-                         prompts_per_batch=cfg.rollout.prompts_per_step,
-                         sampling=sampling_params(cfg, tok), seed=spec.seed,
-                         worker_id=spec.name, record_routes=True),
+        cfg=dataclasses.replace(worker_config(cfg, tok, seed=spec.seed, worker_id=spec.name),
+                                record_routes=True),
     )
     eval_sampling = sampling_params(cfg, tok, temperature=cfg.eval.temperature)
 
@@ -200,7 +206,8 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
             history.append(snapshot())
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 res = evaluate(current_model(), task, tok, num_prompts=cfg.eval.num_prompts,
-                               k=cfg.eval.k, sampling=eval_sampling, seed=10_000 + spec.seed)
+                               k=cfg.eval.k, sampling=eval_sampling, seed=10_000 + spec.seed,
+                               prompt=prompt_format(cfg))
                 metrics.update({"eval/avg_at_k": res.avg_at_k, "eval/pass_at_k": res.pass_at_k})
                 curve.append((step + 1, res.avg_at_k))
             mlog.log(step + 1, metrics)
@@ -291,6 +298,7 @@ def main(argv: list[str]) -> int:
     from satjax.app.commands import check_resources
     from satjax.app.run import sft_settings
     from satjax.run_dir import RunDirs
+    from satjax.train.sft import warmup_enabled
 
     try:  # every run's config, before the warm-up: a typo fails now, not after it
         common, _ = split_overrides(args.overrides)
@@ -298,7 +306,9 @@ def main(argv: list[str]) -> int:
         check_resources(warmup_cfg)
     except ValueError as e:  # ConfigError included
         p.error(str(e))
-    warmup_dir = str(RunDirs(warmup_cfg.run_dir).sft)
+    # the policy every run starts from: the warm-up, or model.path when there is none
+    warmup_dir = str(RunDirs(warmup_cfg.run_dir).sft) if warmup_enabled(warmup_cfg) \
+        else warmup_cfg.model.path
     configs = {}
     for spec in specs:
         try:
@@ -359,17 +369,19 @@ def _warmup_score(warmup_cfg, warmup: dict[str, Any]) -> float:
     ``<out>/warmup/score.json``."""
     from satjax.app.evaluate import evaluate
     from satjax.app.run import warm_start
-    from satjax.factory import build_task, build_tokenizer, sampling_params
+    from satjax.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.utils import atomic_write
 
-    tok, task = build_tokenizer(warmup_cfg), build_task(warmup_cfg)
+    tok = build_tokenizer(warmup_cfg)
+    task = build_task(warmup_cfg, tok)
     model = warm_start(warmup_cfg, tok, task)
     path = Path(warmup_cfg.run_dir) / "score.json"
+    path.parent.mkdir(parents=True, exist_ok=True)  # no warm-up (model.path) made it
     key = json.loads(json.dumps([warmup, dataclasses.asdict(warmup_cfg.eval)]))
     if path.exists() and json.loads(path.read_text()).get("key") == key:
         return json.loads(path.read_text())["avg_at_k"]
     res = evaluate(model, task, tok, num_prompts=warmup_cfg.eval.num_prompts,
-                   k=warmup_cfg.eval.k, seed=10_000,
+                   k=warmup_cfg.eval.k, seed=10_000, prompt=prompt_format(warmup_cfg),
                    sampling=sampling_params(warmup_cfg, tok,
                                             temperature=warmup_cfg.eval.temperature))
     atomic_write(path, json.dumps({"key": key, "avg_at_k": res.avg_at_k}))

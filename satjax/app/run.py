@@ -38,25 +38,27 @@ from typing import Any
 
 from tqdm import tqdm
 
+from satjax.app.evaluate import eval_during_training
 from satjax.app.launch import ProcessGroup, new_token
-from satjax.config import Config, dump_config
-from satjax.data.pipeline import prompt_dataset
-from satjax.factory import build_model, build_task, build_tokenizer, model_options
+from satjax.config import Config, dump_config, train_buckets
+from satjax.data.pipeline import encode_prompt, prompt_dataset
+from satjax.data.prompts import PromptFormat
+from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
 from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
 from satjax.run_dir import RunDirs
 from satjax.train.metrics import MetricsLogger
-from satjax.train.sft import run_sft
+from satjax.train.sft import run_sft, warmup_enabled
 from satjax.train.trainer import Trainer
 from satjax.utils import atomic_write, free_port
 
 log = logging.getLogger(__name__)
 
 
-def sft_seq_len(task, tokenizer, n: int = 512) -> int:
-    """A padded length (multiple of 16) that fits BOS + prompt + answer + EOS of the first
+def sft_seq_len(task, tokenizer, prompt: PromptFormat, n: int = 512) -> int:
+    """A padded length (multiple of 16) that fits prompt + answer + EOS of the first
     ``n`` training examples, so the SFT step compiles once."""
     longest = max(
-        2 + len(tokenizer.encode(ex.prompt)) + len(tokenizer.encode(ex.answer))
+        1 + len(encode_prompt(tokenizer, ex, prompt)) + len(tokenizer.encode(ex.answer))
         for ex in (task.example(i) for i in range(n))
     )
     return int(math.ceil((longest + 2) / 16) * 16)
@@ -110,10 +112,13 @@ class Progress:
 
 def sft_settings(cfg: Config) -> dict[str, Any]:
     """The config keys that determine the SFT warm-up; its cache is reused only if equal."""
+    # model.path only when the warm-up starts from it (lag-sweep's runs load the warm-up
+    # as their model.path)
     return json.loads(json.dumps({
         "seed": cfg.seed, "sft": dataclasses.asdict(cfg.sft),
         "task": dataclasses.asdict(cfg.task),
-        "model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "path"},
+        "model": {k: v for k, v in dataclasses.asdict(cfg.model).items()
+                  if k != "path" or cfg.model.path},
     }))  # through JSON: tuples become lists, as they read back
 
 
@@ -130,17 +135,20 @@ def wait_for_warm_start(cfg: Config, poll_s: float = 1.0) -> None:
     ``cfg`` is in the run directory; returns at once with ``model.path`` (nothing to
     wait for). If process 0 dies meanwhile, jax.distributed's heartbeat ends this one."""
     dirs, settings = RunDirs(cfg.run_dir), sft_settings(cfg)
-    while not cfg.model.path and not _cached_warm_start(dirs, settings):
+    while warmup_enabled(cfg) and not _cached_warm_start(dirs, settings):
         time.sleep(poll_s)
 
 
 def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every: int = 10):
-    """The policy RL starts from: ``model.path``; else the cached SFT warm-up of this run
-    if it was made with the same settings (:func:`sft_settings`); else a fresh tiny MoE
-    trained with ``sft.steps`` supervised steps (then cached)."""
+    """The policy RL starts from: without the warm-up (``warmup_enabled``), ``model.path``
+    or a fresh tiny MoE; else the cached SFT warm-up of this run if it was made with the
+    same settings (:func:`sft_settings`); else the policy trained with ``sft.steps``
+    supervised steps (then cached in ``<run_dir>/sft``)."""
     dirs = RunDirs(cfg.run_dir)
-    if cfg.model.path:
-        status(f"loading the policy from {cfg.model.path}")
+    if not warmup_enabled(cfg):
+        status(f"loading the policy from {cfg.model.path} (no warm-up: sft.mode "
+               f"{cfg.sft.mode})" if cfg.model.path
+               else "a freshly initialised policy (no warm-up: sft.mode never)")
         return build_model(cfg, tokenizer)
     settings = sft_settings(cfg)
     cached = _cached_warm_start(dirs, settings)
@@ -160,8 +168,9 @@ def warm_start(cfg: Config, tokenizer, task, *, progress: bool = True, log_every
         run_sft(
             model, iter(prompt_dataset(task, seed=cfg.seed + 1)), tokenizer,
             steps=cfg.sft.steps, batch_size=cfg.sft.batch_size,
-            learning_rate=cfg.sft.learning_rate, seq_len=sft_seq_len(task, tokenizer),
-            on_step=on_step,
+            learning_rate=cfg.sft.learning_rate,
+            seq_len=sft_seq_len(task, tokenizer, prompt_format(cfg)), on_step=on_step,
+            prompt=prompt_format(cfg),
         )
         bar.close()
     # written aside and renamed, so a crash never leaves a half-written cache behind
@@ -193,7 +202,7 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
             "--num-experts", str(model_config.num_experts),
             "--moe-layers", str(len(model_config.moe_layer_indices)),
             "--top-k", str(model_config.num_experts_per_tok),
-            "--max-seq-len", str(max(cfg.train.buckets)),
+            "--max-seq-len", str(max(train_buckets(cfg))),
             "--group-size", str(cfg.rollout.group_size)]
 
 
@@ -302,7 +311,8 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         # and next to the weights, whole (atomic): all a worker on another host reads
         dirs.weights.mkdir(parents=True, exist_ok=True)
         atomic_write(dirs.weights_config, dump_config(public_config(cfg)))
-    tokenizer, task = build_tokenizer(cfg), build_task(cfg)
+    tokenizer = build_tokenizer(cfg)
+    task = build_task(cfg, tokenizer)
     if not primary:  # process 0 makes (or finds) the warm-up; the others load it
         wait_for_warm_start(cfg)
     trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress and primary,
@@ -393,6 +403,8 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 metrics = trainer.train_on(delivered.trajectories, delivered.batch)
                 metrics.update({"time/wait_data_s": wait_s,
                                 "time/step_s": time.perf_counter() - t0, **tail})
+                metrics.update(eval_during_training(cfg, trainer.step,
+                                                    trainer.train_state().model, task, tokenizer))
                 last = metrics
                 if primary:
                     assert mlog is not None and delivered.reply is not None

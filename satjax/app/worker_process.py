@@ -22,9 +22,9 @@ from pathlib import Path
 
 from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
-from satjax.factory import build_task, build_tokenizer, sampling_params
+from satjax.factory import build_task, build_tokenizer, worker_config
 from satjax.rollout.factory import make_engine
-from satjax.rollout.worker import RolloutWorker, WorkerConfig
+from satjax.rollout.worker import RolloutWorker
 from satjax.run_dir import weights_config
 from satjax.weight_sync import WeightSubscriber
 
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         p.error(f"{config_path}: {e}")
     tokenizer = build_tokenizer(cfg)
-    task = build_task(cfg)
+    task = build_task(cfg, tokenizer)
     from satjax.queue.client import QueueClient
 
     client = QueueClient(args.queue, token=token)
@@ -97,14 +97,7 @@ def main(argv: list[str]) -> int:
         task, tokenizer, client,
         WeightSubscriber(args.weights),
         iter(prompt_dataset(task, seed=seed)),
-        WorkerConfig(
-            group_size=cfg.rollout.group_size,
-            prompts_per_batch=cfg.rollout.prompts_per_step,
-            sampling=sampling_params(cfg, tokenizer),
-            seed=seed,
-            worker_id=f"w{wid}",
-            record_routes=cfg.rollout.record_routes,
-        ),
+        worker_config(cfg, tokenizer, seed=seed, worker_id=f"w{wid}"),
     )
     n = worker.run(max_batches=args.max_batches)
     log.info("worker %s stopped after %d trajectories", wid, n)

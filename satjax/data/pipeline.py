@@ -11,7 +11,8 @@ from typing import Protocol
 
 import grain
 
-from satjax.data.tasks import Example
+from satjax.data.prompts import RAW, PromptFormat
+from satjax.data.tasks import Example, FileTask
 
 
 class Task(Protocol):
@@ -34,14 +35,21 @@ def prompt_dataset(
 
 
 def eval_examples(task: Task, *, num_examples: int) -> list[Example]:
-    """The first ``num_examples`` of the held-out split, in a fixed order."""
+    """The held-out split's first ``num_examples`` in a fixed order; of a file task, never
+    a prompt twice, and all of a separate eval file (``task.eval_path``) whatever
+    ``num_examples``."""
+    if isinstance(task, FileTask):
+        n = task.test_size if task.eval_examples is not None \
+            else min(num_examples, task.test_size)
+        return [task.example(i, "test") for i in range(n)]
     return [task.example(i, "test") for i in range(num_examples)]
 
 
-def encode_prompt(tokenizer, example: Example) -> list[int]:
-    """``[bos] + prompt tokens`` (no BOS for tokenizers without one, e.g. Qwen's): how every
-    engine and the SFT warm-up see a prompt."""
-    return tokenizer.encode(example.prompt, add_bos=True)
+def encode_prompt(tokenizer, example: Example, prompt: PromptFormat = RAW
+                  ) -> list[int]:
+    """The prompt's token ids as ``prompt`` (``task.prompt_template``) makes them: how
+    every engine, the evaluation and the SFT warm-up see a prompt."""
+    return prompt.encode(tokenizer, example)
 
 
 def decode_response(tokenizer, tokens) -> str:

@@ -4,7 +4,8 @@ The built-in tasks are multi-digit arithmetic and digit strings to sort or rever
 staleness test bed's task, with answers long enough for sequence-level ratios to matter),
 small enough that a tiny MoE learns them on a CPU in minutes and exact enough that the
 reward is unambiguous. Real runs load
-GSM8K/MATH-style JSONL files from disk (see :func:`load_jsonl_examples`).
+GSM8K/MATH-style rows from JSONL, Parquet or a ``datasets`` directory
+(:func:`load_examples`) into a :class:`FileTask`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +30,9 @@ class Example:
     prompt_id: str
     prompt: str
     answer: str
+    index: int = -1  # the row's position in its file (file tasks)
+    # the row as read (file tasks): what prompt templates and reward functions may use
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,36 +158,124 @@ def _reference_answer(raw: str) -> str:
     return (m.group(1) if m else raw).strip().replace(",", "")
 
 
-def load_jsonl_examples(
+def data_format(path: str | os.PathLike[str]) -> str:
+    """"datasets" (a ``Dataset.save_to_disk`` directory), "parquet" (by its magic bytes,
+    whatever the file is called) or "jsonl"."""
+    if os.path.isdir(path):
+        return "datasets"
+    with open(path, "rb") as f:
+        return "parquet" if f.read(4) == b"PAR1" else "jsonl"
+
+
+def _utf8_lines(f, path) -> Iterator[str]:
+    try:
+        yield from f
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; give a JSONL or Parquet file or a "
+                         "datasets directory") from None
+
+
+def _load_dataset(path: str | os.PathLike[str]):
+    """A ``save_to_disk`` directory's ``Dataset`` (of a ``DatasetDict``: its "train")."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"{path}: reading a datasets directory needs datasets: "
+                          "pip install 'satjax[data]'") from e
+    try:
+        ds = datasets.load_from_disk(os.fspath(path))
+    except FileNotFoundError as e:
+        raise ValueError(f"{path}: not a directory saved with save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{path}: a DatasetDict without a 'train' split "
+                             f"({', '.join(ds)}); point at one split's directory")
+        ds = ds["train"]
+    return ds
+
+
+def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The rows of a JSONL file, a Parquet file or a ``datasets`` directory saved with
+    ``save_to_disk`` (a ``DatasetDict`` directory: its "train" split), as dicts.
+
+    Raises ValueError (one line: the path, the row, what is wrong) for unreadable rows, and
+    ImportError naming the extra to install for Parquet (``pyarrow``) or ``datasets``."""
+    fmt = data_format(path)
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise ImportError(f"{path}: reading Parquet needs pyarrow: "
+                              "pip install 'satjax[data]'") from e
+        return pq.read_table(path).to_pylist()
+    if fmt == "datasets":
+        return [dict(r) for r in _load_dataset(path)]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        lines = list(_utf8_lines(f, path))
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: must be a JSON object, got "
+                             f"{type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def first_row(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The first row of ``path`` (for a Parquet file or a datasets directory: its field
+    names, with empty values), read without loading the rest: how a run checks its field
+    names before anything slow. Raises ValueError as :func:`load_rows` does."""
+    fmt = data_format(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return dict.fromkeys(pq.ParquetFile(path).schema_arrow.names, "")
+    if fmt == "datasets":
+        return dict.fromkeys(_load_dataset(path).column_names, "")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(_utf8_lines(f, path), 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{lineno}: must be a JSON object, got "
+                                     f"{type(row).__name__}")
+                return row
+    raise ValueError(f"{path}: no examples")
+
+
+def load_examples(
     path: str | os.PathLike[str],
     *,
-    question_key: str = "question",
-    answer_key: str = "answer",
+    question_field: str = "question",
+    answer_field: str = "answer",
 ) -> list[Example]:
-    """Reads a GSM8K/MATH-style JSONL file (one ``{"question": ..., "answer": ...}`` a line).
+    """The rows of ``path`` (:func:`load_rows`) as examples: ``question_field`` is the
+    prompt, ``answer_field`` the reference answer (after GSM8K's ``####`` if there is
+    one); the whole row is kept in ``Example.fields`` for prompt templates and reward
+    functions, and its position in ``Example.index``.
 
     Prompt ids are a hash of the question so they survive reordering of the file.
     """
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            for key in (question_key, answer_key):
-                if key not in row:
-                    raise ValueError(f"{path}:{lineno}: missing key {key!r}")
-            question = str(row[question_key])
-            examples.append(
-                Example(
-                    prompt_id=f"q{zlib.crc32(question.encode()):08x}",
-                    prompt=question,
-                    answer=_reference_answer(str(row[answer_key])),
-                )
-            )
+    for i, row in enumerate(load_rows(path)):
+        for field, key in ((question_field, "task.question_field"),
+                           (answer_field, "task.answer_field")):
+            if field not in row:
+                raise ValueError(f"{path}: row {i} has no field {field!r} (its fields: "
+                                 f"{', '.join(map(str, row))}); set {key}")
+        question = str(row[question_field])
+        examples.append(Example(
+            prompt_id=f"q{zlib.crc32(question.encode()):08x}", prompt=question,
+            answer=_reference_answer(str(row[answer_field])), index=i, fields=row))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
@@ -199,28 +292,64 @@ def math_answer_reward(response: str, answer: str) -> float:
     return 1.0 if gold and pred and verify(gold, pred) else 0.0
 
 
+RewardFn = Callable[[str, Example], float]
+
+
 @dataclasses.dataclass(frozen=True)
-class JsonlMathTask:
-    """A task over a list of on-disk examples with the math-verify reward."""
+class FileTask:
+    """A task over examples loaded from disk (:func:`load_examples`), scored by ``reward_fn``.
+
+    The held-out split is ``eval_examples`` when given (a separate file, used whole),
+    else the first ``test_fraction`` of ``examples``; training uses the rest.
+    """
 
     examples: Sequence[Example]
+    reward_fn: RewardFn
+    eval_examples: Sequence[Example] | None = None
     test_fraction: float = 0.1
 
     @property
-    def size(self) -> int:
-        return len(self.examples)
+    def _n_test(self) -> int:
+        return 0 if self.eval_examples is not None else \
+            max(1, int(len(self.examples) * self.test_fraction))
 
-    def _split_indices(self, split: str) -> list[int]:
-        n_test = max(1, int(len(self.examples) * self.test_fraction))
-        if split == "test":
-            return list(range(n_test))
-        if split == "train":
-            return list(range(n_test, len(self.examples))) or list(range(len(self.examples)))
-        raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
+    @property
+    def size(self) -> int:
+        """Training examples."""
+        return len(self.examples) - self._n_test or len(self.examples)
+
+    @property
+    def test_size(self) -> int:
+        """Held-out examples."""
+        return len(self.eval_examples) if self.eval_examples is not None else self._n_test
 
     def example(self, index: int, split: str = "train") -> Example:
-        idx = self._split_indices(split)
-        return self.examples[idx[int(index) % len(idx)]]
+        if split == "test":
+            held = self.eval_examples if self.eval_examples is not None else \
+                self.examples[:self._n_test]
+            return held[int(index) % len(held)]
+        if split == "train":
+            train = self.examples[self._n_test:] or self.examples
+            return train[int(index) % len(train)]
+        raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
 
     def reward(self, response: str, example: Example) -> float:
-        return math_answer_reward(response, example.answer)
+        return self.reward_fn(response, example)
+
+
+@dataclasses.dataclass(frozen=True)
+class RescoredTask:
+    """A built-in task scored by ``reward_fn`` instead of its own reward (``task.reward``)."""
+
+    task: ArithmeticTask | DigitStringTask
+    reward_fn: RewardFn
+
+    @property
+    def size(self) -> int:
+        return self.task.size
+
+    def example(self, index: int, split: str = "train") -> Example:
+        return self.task.example(index, split)
+
+    def reward(self, response: str, example: Example) -> float:
+        return self.reward_fn(response, example)

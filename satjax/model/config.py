@@ -114,6 +114,8 @@ class Qwen3MoeConfig:
             d["rope_theta"] = rope["rope_theta"]
         if "num_experts" not in d and "num_local_experts" in d:
             d["num_experts"] = d["num_local_experts"]
+        if d.get("model_type") == "qwen3":  # dense Qwen3: every layer a dense MLP
+            d["num_experts"] = 0
         if d.get("head_dim") is None:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -128,9 +130,10 @@ class Qwen3MoeConfig:
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
+        dense = not self.moe_layer_indices  # a dense Qwen3 (model_type qwen3)
         d.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
+            architectures=["Qwen3ForCausalLM" if dense else "Qwen3MoeForCausalLM"],
+            model_type="qwen3" if dense else "qwen3_moe",
             # 5.x reads rope_parameters; 4.x and vLLM read the top-level rope_theta.
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rope_scaling=None,

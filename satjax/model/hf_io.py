@@ -125,7 +125,8 @@ def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32
                     param_dtype: jnp.dtype | None = None, moe_impl: str = "auto",
                     attention: str = "auto", scan_layers: bool = False
                     ) -> Qwen3MoeForCausalLM:
-    """Load a local HF Qwen3-MoE checkpoint directory (config.json + safetensors shards).
+    """Load a local HF Qwen3-MoE (or dense Qwen3: ``model_type`` "qwen3", every layer a
+    dense MLP) checkpoint directory (config.json + safetensors shards).
 
     ``dtype`` is the compute dtype and, unless ``param_dtype`` is given, the storage dtype;
     ``moe_impl``, ``attention`` and ``scan_layers`` as :class:`Qwen3MoeForCausalLM` takes
@@ -136,8 +137,9 @@ def from_pretrained(path: str | os.PathLike[str], dtype: jnp.dtype = jnp.float32
         raise ValueError(f"path {path!r} has no config.json")
     with open(config_file) as fh:
         hf = json.load(fh)
-    if hf.get("model_type") not in (None, "qwen3_moe"):
-        raise ValueError(f"model_type must be 'qwen3_moe', got {hf.get('model_type')!r}")
+    if hf.get("model_type") not in (None, "qwen3_moe", "qwen3"):
+        raise ValueError(f"model_type must be 'qwen3_moe' or 'qwen3' (dense), "
+                         f"got {hf.get('model_type')!r}")
     cfg = Qwen3MoeConfig.from_hf_dict(hf)
     param_dtype = param_dtype or dtype
     model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(
@@ -328,10 +330,29 @@ def shard_file_name(n: int, total: int) -> str:
     return f"model-{n:05d}-of-{total:05d}.safetensors"
 
 
+def write_model_files(path: str | os.PathLike[str], cfg: Qwen3MoeConfig, tokenizer=None
+                      ) -> list[str]:
+    """What makes a directory of weights and config.json a complete HF model besides
+    them: generation_config.json (the special token ids, so ``generate`` stops at EOS)
+    and, for a Hugging Face tokenizer (one with ``save_pretrained``), its files. Returns
+    the names written."""
+    eos = cfg.eos_token_ids
+    gen = {"bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+           "eos_token_id": list(eos) if len(eos) > 1 else eos[0] if eos else None}
+    atomic_write(os.path.join(path, "generation_config.json"),
+                 json.dumps(gen, indent=2, sort_keys=True))
+    before = set(os.listdir(path))
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(os.fspath(path))
+    return ["generation_config.json", *sorted(set(os.listdir(path)) - before)]
+
+
 def save_pretrained(model: Qwen3MoeForCausalLM, path: str, *,
-                    max_shard_bytes: int = _SHARD_BYTES) -> None:
-    """Write config.json + model.safetensors (or index-json shards) loadable by HF/vLLM."""
+                    max_shard_bytes: int = _SHARD_BYTES, tokenizer=None) -> None:
+    """Write config.json + model.safetensors (or index-json shards) loadable by HF/vLLM,
+    with :func:`write_model_files` (generation config, ``tokenizer``'s files)."""
     os.makedirs(path, exist_ok=True)
+    write_model_files(path, model.config, tokenizer)
     tensors = hf_state_dict(model)
     dtypes = {v.dtype for v in tensors.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)

@@ -46,6 +46,10 @@ class CharTokenizer:
             out.append(self._to_char[i])
         return "".join(out)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one token of the vocabulary, else None."""
+        return self._to_id.get(text)
+
 
 class HFTokenizer:
     """A local HF tokenizer behind the CharTokenizer interface."""
@@ -57,15 +61,37 @@ class HFTokenizer:
         self.bos_id = tokenizer.bos_token_id
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_id
+        # whether the tokenizer itself starts a text with BOS (Llama's does, Qwen's and a
+        # BPE without a post-processor do not): what ``add_bos`` follows
+        self.adds_bos = self.bos_id is not None and \
+            list(tokenizer.encode("a", add_special_tokens=True))[:1] == [self.bos_id]
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Text -> ids; ``add_bos``: the BOS the tokenizer adds itself, if any."""
         ids = list(self._tok.encode(text, add_special_tokens=False))
-        bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+        bos = [self.bos_id] if add_bos and self.adds_bos else []
         eos = [self.eos_id] if add_eos and self.eos_id is not None else []
         return bos + ids + eos
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` through the chat template, the assistant's turn opened."""
+        if not self.has_chat_template:
+            raise ValueError("task.prompt_template 'chat': the tokenizer has no chat template")
+        return self._tok.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one token of the vocabulary, else None."""
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return int(ids[0]) if len(ids) == 1 else None
+
+    def save_pretrained(self, path: str) -> None:
+        """Writes the tokenizer files (tokenizer.json, tokenizer_config.json, ...)."""
+        self._tok.save_pretrained(path)
 
 
 def load_hf_tokenizer(path: str) -> HFTokenizer:

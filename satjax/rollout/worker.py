@@ -13,7 +13,13 @@ Each group is put on its own as soon as it is scored (a put is one durable write
 queue's side, all of the group or nothing), so a worker that disappears (kill -9, a lost
 host) loses only the groups it was still sampling: the ``prompts_per_batch`` groups of
 the engine call in flight, or the rest of that batch if it died between puts. Workers
-may therefore join and leave at any time.
+may therefore join and leave at any time. A group the queue refuses (e.g. longer than
+the trainer's largest bucket) stops the worker with :class:`QueueRejectedError` naming
+the reason: never a silently lost group.
+
+Responses cut at ``max_new_tokens`` are kept (``finish_reason`` "length",
+``Trajectory.truncated``), with DAPO's overlong penalty added to their reward when
+``rollout.overlong`` is "penalty" (the trainer masks them out for "mask").
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from satjax.data.pipeline import Task, decode_response, encode_prompt
+from satjax.data.prompts import PromptFormat
+from satjax.data.rewards import overlong_penalty
 from satjax.data.tasks import Example
 from satjax.queue.client import QueueStorageError
-from satjax.rollout.engine import Engine, SamplingParams
+from satjax.rollout.engine import Completion, Engine, SamplingParams
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import (
     WeightSubscriber,
@@ -57,6 +65,43 @@ class WorkerConfig:
     worker_id: str = "w0"
     pause_poll_s: float = 0.05
     record_routes: bool = True
+    prompt: PromptFormat = dataclasses.field(default_factory=PromptFormat)
+    # stop strings of several tokens (one-token ones are sampling.stop_token_ids): a
+    # response is cut after the first token that completes one
+    stop_strings: tuple[str, ...] = ()
+    # what a response cut at max_new_tokens gets (config.RolloutConfig.overlong): "keep" /
+    # "mask" leave its reward as scored (the trainer masks "mask"), "penalty" adds DAPO's
+    overlong: str = "keep"
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+
+
+class QueueRejectedError(RuntimeError):
+    """The queue refused trajectories of a group (their reasons in the message): the
+    worker stops rather than drop the group, since every later one would go the same way."""
+
+
+def cut_at_stop(c: Completion, tokenizer, stops: tuple[str, ...]) -> Completion:
+    """``c`` ending at the first token whose text completes one of ``stops`` (that token
+    kept, as a stop token is), with ``finish_reason`` "stop"; ``c`` itself if none does.
+
+    The tokens kept and their log-probs are what was sampled, so the trajectory stays
+    on-policy: only tokens after the stop are dropped. Binary search over prefixes (a
+    prefix holding a stop string stays one when extended): O(log N) decodes."""
+    tokens = [int(t) for t in c.response_tokens]
+    if not stops or not any(s in tokenizer.decode(tokens) for s in stops):
+        return c
+    lo, hi = 1, len(tokens)  # the shortest prefix containing a stop string is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in tokenizer.decode(tokens[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    p = len(c.prompt_tokens)
+    return Completion(prompt_tokens=c.prompt_tokens, response_tokens=c.response_tokens[:lo],
+                      logprobs=c.logprobs[:lo], routed_experts=c.routed_experts[:p + lo - 1],
+                      finish_reason="stop")
 
 
 class RolloutWorker:
@@ -134,7 +179,8 @@ class RolloutWorker:
         are contiguous, ``group_size`` trajectories each."""
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
-        prompts = [encode_prompt(self.tok, ex) for ex in examples for _ in range(cfg.group_size)]
+        prompts = [encode_prompt(self.tok, ex, cfg.prompt)
+                   for ex in examples for _ in range(cfg.group_size)]
         # crc32, not hash(): string hashing is salted per process, seeds must reproduce
         seed = zlib.crc32(f"{cfg.seed}/{cfg.worker_id}/{self._batches}".encode()) & 0x7FFFFFFF
         self._batches += 1
@@ -148,8 +194,14 @@ class RolloutWorker:
         for g, ex in enumerate(examples):
             group_id = uuid.uuid4().hex
             for j in range(cfg.group_size):
-                c = completions[g * cfg.group_size + j]
+                c = cut_at_stop(completions[g * cfg.group_size + j], self.tok,
+                                cfg.stop_strings)
                 reward = float(self.task.reward(decode_response(self.tok, c.response_tokens), ex))
+                if cfg.overlong == "penalty":
+                    reward += overlong_penalty(len(c.response_tokens),
+                                               c.finish_reason == "length",
+                                               cfg.sampling.max_new_tokens,
+                                               cfg.overlong_buffer, cfg.overlong_penalty)
                 out.append(
                     Trajectory(
                         trajectory_id=f"{group_id}-{j}",
@@ -202,6 +254,7 @@ class RolloutWorker:
             if self.client.should_pause(int(self.engine.version or 0)).pause:
                 self.stop_event.wait(self.cfg.pause_poll_s)
                 continue
+            cfg = self.cfg
             trajectories = self.generate_groups()
             # Put even if a stop arrived while sampling: the work is finished, keep it.
             for i in range(0, len(trajectories), self.cfg.group_size):
@@ -209,9 +262,12 @@ class RolloutWorker:
                 result = self._put_until_stored(group)
                 if result is None:  # stopped while the queue's disk was full: group lost
                     return self.produced
+                self.produced += len(group) - len(result.rejected)
                 if result.rejected:
-                    log.error("queue rejected %d trajectories: %s", len(result.rejected),
-                              result.rejected[:3])
-                self.produced += len(group)
+                    reasons = sorted({r.message for r in result.rejected})
+                    raise QueueRejectedError(
+                        f"worker {cfg.worker_id}: the queue refused {len(result.rejected)} of "
+                        f"the {len(group)} trajectories of group {group[0].group_id}: "
+                        f"{'; '.join(reasons)}")
             done += 1
         return self.produced

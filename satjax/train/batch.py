@@ -83,6 +83,7 @@ def make_batch(
     top_k: int | None = None,
     batch_multiple: int = 1,
     advantages: Sequence[float] | None = None,
+    mask_truncated: bool = False,
 ) -> Batch:
     """Pads trajectories into a ``Batch`` (host numpy arrays; device_put them yourself).
 
@@ -96,6 +97,9 @@ def make_batch(
       batch_multiple: B is padded up to a multiple of lcm(batch_multiple, group_size)
         with fully masked rows (pass the data-parallel size of the mesh).
       advantages: optional precomputed advantages, one per trajectory (in input order).
+      mask_truncated: give truncated responses (``Trajectory.truncated``) a zero
+        ``loss_mask`` (DAPO's overlong filtering, arXiv:2503.14476): they still count in
+        their group's reward baseline, but contribute no gradient.
 
     Raises:
       ValueError naming the offending trajectory / argument.
@@ -167,7 +171,7 @@ def make_batch(
         tokens[i, :P] = t.prompt_tokens
         tokens[i, P : P + N] = t.response_tokens
         attn[i, : P + N] = 1
-        loss_mask[i, P : P + N] = 1.0
+        loss_mask[i, P : P + N] = 0.0 if mask_truncated and t.truncated else 1.0
         blp[i, P : P + N] = t.behavior_logprobs
         rewards[i] = t.reward
         group_ids[i] = gid_index.setdefault(t.group_id, len(gid_index))

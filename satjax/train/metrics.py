@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from satjax.run_dir import METRICS_FILE
@@ -32,7 +33,9 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, value in metrics.items():
         arr = np.asarray(value)
-        if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        # jnp.issubdtype, not np's: numpy does not count bfloat16 (ml_dtypes, kind "V") as
+        # a number, and a bf16 grad_norm must not vanish from the log
+        if arr.size == 1 and (jnp.issubdtype(arr.dtype, jnp.number) or arr.dtype == np.bool_):
             out[name] = float(arr.reshape(()))
     return out
 
@@ -40,12 +43,14 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 def trajectory_metrics(
     trajectories: Sequence[Trajectory], *, trainer_version: int
 ) -> dict[str, float]:
-    """``reward_max``, ``response_len_mean`` and ``lag_hist/<lag>`` (how many trajectories
-    were generated ``lag`` versions behind ``trainer_version``, the version trained on them)."""
+    """``reward_max``, ``response_len_mean``, ``truncated_frac`` (cut at max_new_tokens)
+    and ``lag_hist/<lag>`` (how many trajectories were generated ``lag`` versions behind
+    ``trainer_version``, the version trained on them)."""
     rewards = np.array([t.reward for t in trajectories], np.float32)
     out = {
         "reward_max": float(rewards.max()),
         "response_len_mean": float(np.mean([len(t.response_tokens) for t in trajectories])),
+        "truncated_frac": float(np.mean([t.truncated for t in trajectories])),
     }
     hist = Counter(trainer_version - t.policy_version for t in trajectories)
     out.update({f"lag_hist/{k}": float(v) for k, v in sorted(hist.items())})

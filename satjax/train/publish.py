@@ -65,6 +65,7 @@ from satjax.model.hf_io import (
     model_params,
     shard_file_name,
     write_index,
+    write_model_files,
     write_safetensors,
 )
 from satjax.run_dir import version_dir
@@ -349,17 +350,21 @@ class ShardedPublisher:
       dtype: the dtype versions are published in (``model.dtype``: what the policy
         computes in); None: the parameters' own. The canary is computed from the
         parameters rounded to it, as the workers get them.
+      tokenizer: the run's tokenizer; a Hugging Face one's files go into every full
+        version with generation_config.json, so a full version directory is a complete
+        HF model (``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``).
     """
 
     def __init__(self, publisher: WeightPublisher, mesh: Mesh, canary_tokens: list[int], *,
                  keyframe_every: int = TrainConfig().keyframe_every,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, tokenizer=None) -> None:
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every: must be >= 1, got {keyframe_every}")
         self.publisher = publisher
         self.mesh = mesh
         self.canary_tokens = list(canary_tokens)
         self.keyframe_every = keyframe_every
+        self.tokenizer = tokenizer
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.process = jax.process_index()
         self.process_count = jax.process_count()
@@ -506,6 +511,8 @@ class ShardedPublisher:
                 atomic_write(d / "config.json", json.dumps(
                     hf_config(c.config, dtype), indent=2, sort_keys=True))
                 write_index(str(d), plan.weight_map, plan.total_bytes)
+                # generation config and tokenizer: a version directory loads as it is
+                write_model_files(d, c.config, self.tokenizer)
 
         self.publisher.publish(
             version, write, staging=staging, target_version=target_version, base=base,

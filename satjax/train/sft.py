@@ -1,7 +1,10 @@
 """Supervised warm-up: teach the tiny policy the answer format so RL starts with reward.
 
-Cross-entropy on the answer tokens (and EOS) of ``[bos] prompt answer [eos]``, padded to
-a fixed length so the step compiles once.
+Cross-entropy on the answer tokens (and EOS) of ``prompt answer [eos]`` (the prompt as
+``task.prompt_template`` makes it), padded to a fixed length so the step compiles once.
+``sft.mode`` says when it runs (:func:`warmup_enabled`): by default for a freshly
+initialised tiny policy, not for a ``model.path`` checkpoint (it already answers; its
+reference answers, e.g. GSM8K's worked solutions, are not what RL should start from).
 """
 
 from __future__ import annotations
@@ -14,13 +17,21 @@ import numpy as np
 import optax
 from flax import nnx
 
+from satjax.config import Config
 from satjax.data.pipeline import encode_prompt
+from satjax.data.prompts import RAW, PromptFormat
 from satjax.data.tasks import Example
 from satjax.model.logprobs import token_logprobs
 
 
+def warmup_enabled(cfg: Config) -> bool:
+    """Whether the run starts with the SFT warm-up: ``sft.mode`` "always", or "auto" without
+    ``model.path``."""
+    return cfg.sft.mode == "always" or (cfg.sft.mode == "auto" and not cfg.model.path)
+
+
 def encode_sft_batch(
-    examples: list[Example], tokenizer, seq_len: int
+    examples: list[Example], tokenizer, seq_len: int, prompt: PromptFormat = RAW
 ) -> dict[str, np.ndarray]:
     """tokens int32 [B, seq_len], loss_mask float32 [B, seq_len] (1 where position t's
     token is an answer/EOS token, i.e. predicted from positions < t)."""
@@ -28,14 +39,14 @@ def encode_sft_batch(
     attn = np.zeros((len(examples), seq_len), np.int32)
     mask = np.zeros((len(examples), seq_len), np.float32)
     for i, ex in enumerate(examples):
-        prompt = encode_prompt(tokenizer, ex)
+        prompt_ids = encode_prompt(tokenizer, ex, prompt)
         answer = [*tokenizer.encode(ex.answer), tokenizer.eos_id]
-        ids = prompt + answer
+        ids = prompt_ids + answer
         if len(ids) > seq_len:
             raise ValueError(f"seq_len: example {ex.prompt_id} needs {len(ids)} > {seq_len}")
         tokens[i, : len(ids)] = ids
         attn[i, : len(ids)] = 1
-        mask[i, len(prompt) : len(ids)] = 1.0
+        mask[i, len(prompt_ids) : len(ids)] = 1.0
     return {"tokens": tokens, "attention_mask": attn, "loss_mask": mask}
 
 
@@ -63,6 +74,7 @@ def run_sft(
     learning_rate: float,
     seq_len: int,
     on_step: Callable[[int, float], None] | None = None,
+    prompt: PromptFormat = RAW,
 ) -> list[float]:
     """Trains ``model`` in place; returns the loss of every step."""
     schedule = optax.warmup_cosine_decay_schedule(
@@ -71,7 +83,8 @@ def run_sft(
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.0), wrt=nnx.Param)
     losses = []
     for step in range(steps):
-        batch = encode_sft_batch([next(examples) for _ in range(batch_size)], tokenizer, seq_len)
+        batch = encode_sft_batch([next(examples) for _ in range(batch_size)], tokenizer, seq_len,
+                                 prompt)
         loss = float(_sft_step(model, optimizer, {k: jnp.asarray(v) for k, v in batch.items()}))
         losses.append(loss)
         if on_step is not None:

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from satjax import parallel
-from satjax.config import Config, TrainConfig
+from satjax.config import Config, TrainConfig, train_buckets
 from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import Batch, make_batch
@@ -100,7 +100,8 @@ class Trainer:
         # is half the bytes), with deltas between keyframes
         self.publisher = ShardedPublisher(WeightPublisher(self.dirs.weights, keep=keep),
                                           self.mesh, self.canary_tokens,
-                                          keyframe_every=t.keyframe_every, dtype=cfg.model.dtype)
+                                          keyframe_every=t.keyframe_every, dtype=cfg.model.dtype,
+                                          tokenizer=tokenizer)
 
     @property
     def policy_version(self) -> int:
@@ -137,7 +138,8 @@ class Trainer:
         process calls it in the same order, on the thread that runs the step."""
         cfg = self.cfg
         batch = make_batch(
-            trajectories, buckets=cfg.train.buckets, pad_id=self.tokenizer.pad_id,
+            trajectories, buckets=train_buckets(cfg), pad_id=self.tokenizer.pad_id,
+            mask_truncated=cfg.rollout.overlong == "mask",
             num_layers_moe=len(self.model_config.moe_layer_indices),
             top_k=self.model_config.num_experts_per_tok,
             batch_multiple=parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum,

@@ -7,7 +7,7 @@ from satjax.data.tasks import (
     ArithmeticTask,
     DigitStringTask,
     exact_match_reward,
-    load_jsonl_examples,
+    load_examples,
     math_answer_reward,
     per_position_reward,
 )
@@ -113,13 +113,13 @@ def test_jsonl_loader_gsm8k_format(tmp_path):
         {"question": "Cost?", "answer": "It costs\n#### 1,200"},
     ]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    exs = load_jsonl_examples(p)
+    exs = load_examples(p)
     assert [e.answer for e in exs] == ["4", "1200"]
     assert exs[0].prompt_id != exs[1].prompt_id
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="answer"):
-        load_jsonl_examples(bad)
+        load_examples(bad)
 
 
 def test_math_answer_reward():

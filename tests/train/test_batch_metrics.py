@@ -96,9 +96,10 @@ def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):
 def test_trajectory_metrics_are_the_host_side_extras():
     ts = [traj("a", "g", 2, 3, reward=0.0, version=5), traj("b", "g", 2, 1, reward=1.0, version=4),
           traj("c", "g", 2, 2, reward=0.5, version=4)]
+    ts[0].finish_reason = "stop"  # the others were cut at max_new_tokens ("length")
     m = trajectory_metrics(ts, trainer_version=6)
-    assert m == {"reward_max": 1.0, "response_len_mean": 2.0, "lag_hist/1": 1.0,
-                 "lag_hist/2": 2.0}
+    assert m == {"reward_max": 1.0, "response_len_mean": 2.0, "truncated_frac": 2 / 3,
+                 "lag_hist/1": 1.0, "lag_hist/2": 2.0}
     # the jitted step owns reward_mean and lag_mean/lag_max; they are not recomputed here
     assert not {"reward_mean", "lag_mean", "lag_max"} & set(m)
 
