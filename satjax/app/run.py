@@ -305,8 +305,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     tokenizer, task = build_tokenizer(cfg), build_task(cfg)
     if not primary:  # process 0 makes (or finds) the warm-up; the others load it
         wait_for_warm_start(cfg)
+    reference = (from_pretrained(cfg.model.ref_path, **model_options(cfg))
+                 if cfg.objective.kl_coef > 0 and cfg.model.ref_path else None)
     trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress and primary,
-                                      log_every=log_every), tokenizer, resume=resume)
+                                      log_every=log_every), tokenizer, resume=resume,
+                      reference=reference)
     if trainer.step:
         say(f"resumed from the checkpoint at step {trainer.step}")
     token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()

@@ -35,6 +35,10 @@ class Batch:
                                          experts token t was routed to (last real position
                                          zeros)
       advantages        float32 [B] or None  precomputed advantages (else from rewards)
+      old_logprobs      float32 [B, T] or None  the proximal policy's log-probs, when the
+                                         objective's ratio is taken against them
+                                         (several updates per rollout batch: the step
+                                         computes them itself)
     """
 
     tokens: jax.Array
@@ -46,6 +50,7 @@ class Batch:
     policy_versions: jax.Array
     routed_experts: jax.Array | None = None
     advantages: jax.Array | None = None
+    old_logprobs: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
 
     def route_mask(self) -> jax.Array:

@@ -46,27 +46,36 @@ def run_optimizer(cfg: Config) -> optax.GradientTransformation:
                           weight_decay=t.weight_decay)
 
 
-def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh):
+def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
+                   reference: nnx.State | None = None):
     """The run's jitted train step for ``nnx.split(TrainState(model, run_optimizer(cfg)))``
     on ``mesh``, with every setting the config gives it; ``state`` may be abstract (how
-    benchmarks/bench_memory.py compiles the paper's step without its weights)."""
-    t = cfg.train
+    benchmarks/bench_memory.py compiles the paper's step without its weights).
+    ``reference``: the Param state of the reference policy (needed when
+    ``objective.kl_coef > 0``)."""
+    t, o = cfg.train, cfg.objective
     return make_train_step(
-        graphdef, state, mesh=mesh, objective=cfg.objective.name,
-        objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
+        graphdef, state, mesh=mesh, objective=o.name,
+        objective_hp=o.hparams, replay=t.replay, grad_accum=t.grad_accum,
         temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
-        remat=t.remat)
+        remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
+        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+        reference=reference)
 
 
 class Trainer:
     """The trainer side of a run, starting from the policy ``model``.
+
+    ``reference``: the frozen reference policy of ``objective.kl_coef`` (None: ``model``
+    as given, i.e. the weights RL starts from; unused when ``kl_coef`` is 0).
 
     Checkpoints go to ``<run_dir>/checkpoints`` and published weights to
     ``<run_dir>/weights``. Without ``resume``, a run directory that already holds
     checkpoints is refused (FileExistsError) rather than overwritten.
     """
 
-    def __init__(self, cfg: Config, model, tokenizer, *, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, model, tokenizer, *, resume: bool = False,
+                 reference=None) -> None:
         self.cfg = cfg
         self.dirs = RunDirs(cfg.run_dir)
         ckpt_dir = self.dirs.checkpoints
@@ -82,8 +91,12 @@ class Trainer:
         if t.mesh.size < len(devices):
             log.warning("train.mesh uses %d of %d devices", t.mesh.size, len(devices))
         self.mesh = parallel.make_mesh(t.mesh, devices[: t.mesh.size])
+        # taken (and copied by the step) before any update: the starting weights, also on
+        # --resume, where ``model`` is again the warm-up the run started from
+        ref_state = (nnx.state(model if reference is None else reference, nnx.Param)
+                     if cfg.objective.kl_coef > 0 else None)
         self.graphdef, state = nnx.split(TrainState(model, run_optimizer(cfg)))
-        self.step_fn = run_train_step(cfg, self.graphdef, state, self.mesh)
+        self.step_fn = run_train_step(cfg, self.graphdef, state, self.mesh, ref_state)
         self.state = self.step_fn.place_state(state)
         self.ckpt = Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                  keep=cfg.checkpoint.keep)
@@ -140,12 +153,14 @@ class Trainer:
             trajectories, buckets=cfg.train.buckets, pad_id=self.tokenizer.pad_id,
             num_layers_moe=len(self.model_config.moe_layer_indices),
             top_k=self.model_config.num_experts_per_tok,
-            batch_multiple=parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum,
+            batch_multiple=(parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum
+                            * cfg.train.mini_batches),
         )
         return self.step_fn.place_batch(batch)
 
     def train_on(self, trajectories, batch: Batch | None = None) -> dict[str, float]:
-        """One optimizer step on ``trajectories``; returns the step's scalar metrics (the
+        """One train step on ``trajectories`` (``train.updates_per_batch`` x
+        ``train.mini_batches`` optimizer updates); returns the step's scalar metrics (the
         jitted step's own, then :func:`satjax.train.metrics.trajectory_metrics`).
         ``batch``: their :meth:`prepare`, when made ahead (else made here)."""
         version = self.policy_version
