@@ -78,7 +78,9 @@ class BatchSource:
     The loop calls :meth:`next` with the version the batch is trained at, and may call
     :meth:`prefetch` with the next version as soon as it has the batch, before the step:
     the next batch is then fetched while the step runs. Without ``prefetch``, :meth:`next`
-    fetches when called. ``max_lag``: the queue drops trajectories staler than this.
+    fetches when called. ``max_lag``: the queue drops trajectories staler than this; the
+    loop may change it between batches (``train.mismatch_target``), each GetBatch call
+    reads it.
     ``take_over``: the first GetBatch fences a previous trainer that still holds the queue
     (a resumed run). ``rows_per_call``: fetch in GetBatch calls of at most this many
     trajectories (whole groups), for batches larger than one gRPC message; the queue's

@@ -371,7 +371,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
         abandon = False  # set when a multi-process run fails here: no more collectives
         # after a restart, its first GetBatch re-reads what the lost steps had consumed
-        source = BatchSource(peers, client, rows=n_rows, max_lag=cfg.train.max_lag,
+        source = BatchSource(peers, client, rows=n_rows, max_lag=trainer.lag_limit,
                              prepare=trainer.prepare,
                              num_experts=trainer.model_config.num_experts, take_over=resume,
                              on_poll=procs.check_alive)
@@ -394,6 +394,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     say("compiling the train step (the first step; later ones are fast)")
                 t0 = time.perf_counter()
                 metrics = trainer.train_on(delivered.trajectories, delivered.batch)
+                source.max_lag = trainer.lag_limit  # train.mismatch_target's decision
                 metrics.update({"time/wait_data_s": wait_s,
                                 "time/step_s": time.perf_counter() - t0, **tail})
                 last = metrics

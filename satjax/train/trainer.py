@@ -21,6 +21,7 @@ from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import Batch, make_batch
 from satjax.train.checkpoint import Checkpointer
+from satjax.train.lag_control import LagController
 from satjax.train.metrics import to_scalars, trajectory_metrics
 from satjax.train.publish import ShardedPublisher
 from satjax.train.state import TrainState, make_optimizer
@@ -102,9 +103,16 @@ class Trainer:
                                  keep=cfg.checkpoint.keep)
         self.step = 0
         self.queue_cursor = 0
+        # the admitted lag follows the measured mismatch (train.mismatch_target), or is
+        # train.max_lag throughout (None)
+        self.lag_controller = (LagController(max_lag=t.max_lag, target=t.mismatch_target,
+                                             window=t.mismatch_window)
+                               if t.mismatch_target is not None else None)
         if resume and self.ckpt.latest_step() is not None:
             r = self.ckpt.restore(self.state, self.step_fn.state_shardings)
             self.state, self.step, self.queue_cursor = r.state, r.step, r.queue_cursor
+            if self.lag_controller is not None and "lag_controller" in r.loop_state:
+                self.lag_controller.load_state_dict(r.loop_state["lag_controller"])
             log.info("resumed at step %d (queue cursor %d)", self.step, self.queue_cursor)
         # exact-lag workers serve version latest - exact_lag, so keep it and the two newest
         keep = max(3, cfg.train.exact_lag + 2)
@@ -114,6 +122,18 @@ class Trainer:
         self.publisher = ShardedPublisher(WeightPublisher(self.dirs.weights, keep=keep),
                                           self.mesh, self.canary_tokens,
                                           keyframe_every=t.keyframe_every, dtype=cfg.model.dtype)
+
+    @property
+    def lag_limit(self) -> int:
+        """The lag the queue should admit now: the controller's, else ``train.max_lag``."""
+        if self.lag_controller is None:
+            return self.cfg.train.max_lag
+        return self.lag_controller.limit
+
+    def _loop_state(self) -> dict:
+        if self.lag_controller is None:
+            return {}
+        return {"lag_controller": self.lag_controller.state_dict()}
 
     @property
     def policy_version(self) -> int:
@@ -172,6 +192,11 @@ class Trainer:
             log.warning("step %d: loss %s, grad norm %s: not finite, update skipped "
                         "(parameters unchanged)", self.step, scalars["loss"],
                         scalars["grad_norm"])
+        if self.lag_controller is not None:
+            # the decision for the fetches from now on (the next batch may already be on
+            # its way at the previous limit: a prefetching loop asked for it before)
+            scalars["lag_limit"] = float(self.lag_controller.update(
+                scalars[self.cfg.train.mismatch_metric]))
         return {
             **scalars,
             **trajectory_metrics(trajectories, trainer_version=version),
@@ -184,8 +209,10 @@ class Trainer:
         if force or (self.step > 0 and self.step % self.ckpt.save_every == 0):
             self.wait_published()
         if force:
-            return self.ckpt.save(self.step, self.state, queue_cursor=self.queue_cursor)
-        return self.ckpt.maybe_save(self.step, self.state, queue_cursor=self.queue_cursor)
+            return self.ckpt.save(self.step, self.state, queue_cursor=self.queue_cursor,
+                                  loop_state=self._loop_state())
+        return self.ckpt.maybe_save(self.step, self.state, queue_cursor=self.queue_cursor,
+                                    loop_state=self._loop_state())
 
     def close(self) -> None:
         """Waits for the publish and the checkpoint in flight, then releases them."""
