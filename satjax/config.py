@@ -164,6 +164,10 @@ class TrainConfig:
     mismatch_target: float | None = None
     mismatch_metric: Literal["kl_k3", "token_gate_frac"] = "kl_k3"
     mismatch_window: int = 4
+    # dynamic sampling: drop groups whose rewards are all equal, refill from the queue, and
+    # after max_fetches GetBatch answers train on what the batch has
+    drop_uniform_groups: bool = False
+    max_fetches: int = 8
 
 
 @dataclasses.dataclass
@@ -365,6 +369,7 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.mismatch_target is None or cfg.train.mismatch_target > 0,
          "train.mismatch_target", "> 0 (or null: off)")
     need(cfg.train.mismatch_window >= 1, "train.mismatch_window", ">= 1")
+    need(cfg.train.max_fetches >= 1, "train.max_fetches", ">= 1")
     need(cfg.objective.kl_coef >= 0, "objective.kl_coef", ">= 0")
     need(cfg.objective.entropy_coef >= 0, "objective.entropy_coef", ">= 0")
     need(cfg.train.keyframe_every >= 1, "train.keyframe_every", ">= 1 (1: every version full)")

@@ -16,6 +16,13 @@ batch (``make_batch``) and places it on the mesh; in a multi-process run the pro
 agree on it (collectives, ``satjax.app.multihost``) and placing is itself a collective, so
 both happen on the main thread, in :meth:`BatchSource.next`, in the same order everywhere.
 
+Dynamic sampling (``drop_uniform_groups``, DAPO's): groups whose rewards are all equal have
+zero group-normalised advantages and teach nothing, so the fetch drops them as they arrive
+and asks the queue for more, until the batch holds ``rows`` trajectories of informative
+groups or ``max_fetches`` GetBatch answers have come; then it trains on what it has (the
+step pads it to the full size with masked rows, so its shape does not change). The dropped
+groups are acknowledged with the batch, like the groups trained on.
+
 A fetched batch is only *delivered* by the queue until the trainer acknowledges it after a
 durable checkpoint, so a batch fetched but never trained on (the run stopped, crashed, or
 was interrupted) is delivered again to the next trainer (``redeliver_unacked`` on its first
@@ -57,6 +64,8 @@ class Delivery:
     trajectories: list[Trajectory]
     batch: Any
     reply: TrajectoryBatch | None
+    dropped_uniform_groups: int = 0  # groups dropped for equal rewards (primary only)
+    fetches: int = 0  # GetBatch answers with trajectories this batch took (primary only)
 
 
 class _Fetch:
@@ -66,6 +75,8 @@ class _Fetch:
         self.version = version
         self.done = threading.Event()
         self.reply: TrajectoryBatch | None = None
+        self.dropped_uniform_groups = 0
+        self.fetches = 0
         self.batch: Any = None  # prepared in the thread (single-process runs)
         self.error: BaseException | None = None
 
@@ -86,13 +97,15 @@ class BatchSource:
     trajectories (whole groups), for batches larger than one gRPC message; the queue's
     ShouldPause predicts lags from the last call's size, so a run whose workers pause on
     it fetches its batch in one call (the default). ``on_poll``: called on the main thread
-    while the primary waits (e.g. raise if a child process died).
+    while the primary waits (e.g. raise if a child process died). ``drop_uniform_groups``,
+    ``max_fetches``: dynamic sampling (module docstring).
     """
 
     def __init__(self, peers: Peers, client: QueueClient | None, *, rows: int, max_lag: int,
                  prepare: Callable[[list[Trajectory]], Any], num_experts: int | None = None,
                  take_over: bool = False, rows_per_call: int | None = None,
-                 on_poll: Callable[[], None] = lambda: None, poll_s: float = POLL_S) -> None:
+                 on_poll: Callable[[], None] = lambda: None, poll_s: float = POLL_S,
+                 drop_uniform_groups: bool = False, max_fetches: int = 1) -> None:
         if peers.primary and client is None:
             raise ValueError("client: the primary process needs a QueueClient")
         if rows < 1 or (rows_per_call is not None and rows_per_call < 1):
@@ -102,6 +115,9 @@ class BatchSource:
         self.num_experts, self.take_over = num_experts, take_over
         self.rows_per_call = rows_per_call or rows
         self.on_poll, self.poll_s = on_poll, poll_s
+        if max_fetches < 1:
+            raise ValueError(f"max_fetches: must be >= 1, got {max_fetches}")
+        self.drop_uniform_groups, self.max_fetches = drop_uniform_groups, max_fetches
         # a batch placed by the fetch thread needs no collective: single-process runs only
         self._prepare_in_thread = peers.count == 1
         self._first_call = True  # the first GetBatch re-reads what no trainer acknowledged
@@ -133,7 +149,7 @@ class BatchSource:
         """The fetch thread: one fetch after another, until close() sends None."""
         while (fetch := self._requests.get()) is not None:
             try:
-                fetch.reply = self._get(fetch.version)
+                self._get(fetch)
                 if fetch.reply is not None and self._prepare_in_thread:
                     fetch.batch = self.prepare(fetch.reply.trajectories)
             except BaseException as e:  # raised on the main thread by next()
@@ -142,17 +158,25 @@ class BatchSource:
                 fetch.done.set()
             del fetch  # the batch is next()'s now: not held here until the next request
 
-    def _get(self, version: int) -> TrajectoryBatch | None:
-        """The GetBatch calls of one batch, repeated until it is whole (None: cancelled;
-        what it had got stays unacknowledged, so the queue delivers it again)."""
+    def _get(self, fetch: _Fetch) -> None:
+        """The GetBatch calls of one batch, repeated until it is whole, into ``fetch``
+        (``reply`` None: cancelled; what it had got stays unacknowledged, so the queue
+        delivers it again). With ``drop_uniform_groups``: whole once it holds ``rows``
+        trajectories of informative groups, or after ``max_fetches`` answers."""
         assert self.client is not None  # the primary's, checked in __init__
         parts: list[TrajectoryBatch] = []
-        got = dropped = 0
-        while got < self.rows:
+        kept: list[Trajectory] = []
+        last_dropped: list[Trajectory] = []
+        dropped = 0
+        while len(kept) < self.rows:
             if self._cancel.is_set():
-                return None
+                return
+            if self.drop_uniform_groups and len(parts) >= self.max_fetches:
+                log.info("dynamic sampling: %d of %d trajectories informative after %d "
+                         "fetches; training on them", len(kept), self.rows, len(parts))
+                break
             reply = self.client.get_batch(
-                min(self.rows_per_call, self.rows - got), trainer_version=version,
+                min(self.rows_per_call, self.rows - len(kept)), trainer_version=fetch.version,
                 max_lag=self.max_lag, timeout=CALL_S, redeliver_unacked=self._first_call,
                 # a resumed trainer fences its dead predecessor explicitly (the queue
                 # refuses a second consumer)
@@ -161,13 +185,24 @@ class BatchSource:
             dropped += reply.dropped_stale
             if reply.trajectories:  # empty: fewer fresh trajectories than asked so far
                 parts.append(reply)
-                got += len(reply.trajectories)
+                if self.drop_uniform_groups:
+                    informative, last_dropped = split_uniform_groups(reply.trajectories)
+                    kept.extend(informative)
+                    fetch.dropped_uniform_groups += len(
+                        {t.group_id for t in reply.trajectories}) - len(
+                        {t.group_id for t in informative})
+                else:
+                    kept.extend(reply.trajectories)
+        if not kept:  # every group of every fetch uniform: train on the last ones (A = 0)
+            kept = last_dropped
+            fetch.dropped_uniform_groups -= len({t.group_id for t in kept})
         hist: collections.Counter[int] = collections.Counter()
         for p in parts:
             hist.update(p.lag_histogram)
-        return TrajectoryBatch([t for p in parts for t in p.trajectories],
-                               cursor=max(p.cursor for p in parts), lag_histogram=dict(hist),
-                               dropped_stale=dropped)
+        fetch.fetches = len(parts)
+        # the cursor of every answer, dropped groups included: they are acknowledged too
+        fetch.reply = TrajectoryBatch(kept, cursor=max(p.cursor for p in parts),
+                                      lag_histogram=dict(hist), dropped_stale=dropped)
 
     # -- the main thread ------------------------------------------------------------------
     def _wait(self, version: int, stop: Callable[[], bool]) -> _Fetch | None:
@@ -213,7 +248,10 @@ class BatchSource:
             if poll == Poll.BATCH:
                 batch = fetch.batch if fetch is not None and fetch.batch is not None \
                     else self.prepare(trajectories)
-                return Delivery(trajectories, batch, reply)
+                return Delivery(trajectories, batch, reply,
+                                dropped_uniform_groups=fetch.dropped_uniform_groups
+                                if fetch is not None else 0,
+                                fetches=fetch.fetches if fetch is not None else 0)
 
     def close(self) -> None:
         """Stops the fetch in flight, if any (within one GetBatch call); a batch it got is
@@ -226,3 +264,19 @@ class BatchSource:
         if fetch is not None and fetch.reply is not None:
             log.info("a batch fetched for version %d (cursor %d) was not trained on; the "
                      "queue delivers it again", fetch.version, fetch.reply.cursor)
+
+
+def split_uniform_groups(trajectories: list[Trajectory]
+                         ) -> tuple[list[Trajectory], list[Trajectory]]:
+    """(informative, uniform): the trajectories of groups whose rewards differ, and of
+    groups whose rewards are all equal (zero group-normalised advantage), order kept.
+
+    References:
+      DAPO: Yu et al. 2025, arXiv:2503.14476 (dynamic sampling).
+    """
+    rewards: dict[str, set[float]] = collections.defaultdict(set)
+    for t in trajectories:
+        rewards[t.group_id].add(float(t.reward))
+    informative = [t for t in trajectories if len(rewards[t.group_id]) > 1]
+    uniform = [t for t in trajectories if len(rewards[t.group_id]) == 1]
+    return informative, uniform

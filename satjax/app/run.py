@@ -374,7 +374,9 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         source = BatchSource(peers, client, rows=n_rows, max_lag=trainer.lag_limit,
                              prepare=trainer.prepare,
                              num_experts=trainer.model_config.num_experts, take_over=resume,
-                             on_poll=procs.check_alive)
+                             on_poll=procs.check_alive,
+                             drop_uniform_groups=cfg.train.drop_uniform_groups,
+                             max_fetches=cfg.train.max_fetches)
 
         try:
             while trainer.step < cfg.train.steps:
@@ -404,6 +406,10 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     trainer.queue_cursor = max(unacked.cursors)
                     now = time.time()
                     metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
+                    if cfg.train.drop_uniform_groups:
+                        metrics["dropped_uniform_groups"] = float(
+                            delivered.dropped_uniform_groups)
+                        metrics["queue/fetches"] = float(delivered.fetches)
                     metrics["trajectories_per_s"] = (len(delivered.trajectories)
                                                      / max(now - t_last, 1e-9))
                     t_last = now

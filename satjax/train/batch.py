@@ -88,6 +88,7 @@ def make_batch(
     top_k: int | None = None,
     batch_multiple: int = 1,
     advantages: Sequence[float] | None = None,
+    min_rows: int = 0,
 ) -> Batch:
     """Pads trajectories into a ``Batch`` (host numpy arrays; device_put them yourself).
 
@@ -100,6 +101,8 @@ def make_batch(
         trajectory carries ``routed_experts`` or none does.
       batch_multiple: B is padded up to a multiple of lcm(batch_multiple, group_size)
         with fully masked rows (pass the data-parallel size of the mesh).
+      min_rows: B is at least this (padded the same way): a batch that may come short
+        (dynamic sampling) keeps the step's shape.
       advantages: optional precomputed advantages, one per trajectory (in input order).
 
     Raises:
@@ -134,7 +137,7 @@ def make_batch(
         )
     multiple = math.lcm(batch_multiple, group_size)
     n = len(ordered)
-    B = -(-n // multiple) * multiple
+    B = -(-max(n, min_rows) // multiple) * multiple
 
     with_routes = [t for t in ordered if t.routed_experts is not None]
     if with_routes and len(with_routes) != len(ordered):

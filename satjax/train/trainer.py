@@ -175,6 +175,9 @@ class Trainer:
             top_k=self.model_config.num_experts_per_tok,
             batch_multiple=(parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum
                             * cfg.train.mini_batches),
+            # dynamic sampling may train on fewer rows: padded, the step keeps its shape
+            min_rows=(cfg.rollout.prompts_per_step * cfg.rollout.group_size
+                      if cfg.train.drop_uniform_groups else 0),
         )
         return self.step_fn.place_batch(batch)
 

@@ -218,3 +218,17 @@ def test_kl_needs_a_reference(make_state, mesh_of):
         _step(make_state, mesh_of, kl_estimator="k9")
     with pytest.raises(ValueError, match="updates_per_batch"):
         _step(make_state, mesh_of, updates_per_batch=0)
+
+
+def test_make_batch_min_rows_pads_with_masked_groups(synthetic_batch):
+    from satjax.train.batch import make_batch
+    from satjax.trajectory import Trajectory
+
+    trajs = [Trajectory(trajectory_id=f"g-{i}", group_id="g", prompt_id="p",
+                        prompt_tokens=np.array([1, 2], np.int32),
+                        response_tokens=np.array([3], np.int32),
+                        behavior_logprobs=np.array([-0.5], np.float32), policy_version=0,
+                        reward=float(i), group_size=2) for i in range(2)]
+    b = make_batch(trajs, buckets=(8,), min_rows=6)
+    assert b.tokens.shape == (6, 8) and b.loss_mask[2:].sum() == 0
+    assert list(b.group_ids) == [0, 0, 1, 1, 2, 2]
