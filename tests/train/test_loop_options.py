@@ -220,7 +220,7 @@ def test_kl_needs_a_reference(make_state, mesh_of):
         _step(make_state, mesh_of, updates_per_batch=0)
 
 
-def test_make_batch_min_rows_pads_with_masked_groups(synthetic_batch):
+def test_make_batch_min_rows_pads_with_masked_groups():
     from satjax.train.batch import make_batch
     from satjax.trajectory import Trajectory
 
@@ -232,3 +232,19 @@ def test_make_batch_min_rows_pads_with_masked_groups(synthetic_batch):
     b = make_batch(trajs, buckets=(8,), min_rows=6)
     assert b.tokens.shape == (6, 8) and b.loss_mask[2:].sum() == 0
     assert list(b.group_ids) == [0, 0, 1, 1, 2, 2]
+
+
+def test_config_choices_are_the_librarys():
+    import typing
+
+    from satjax.config import ObjectiveConfig, TrainConfig, load_config
+
+    hints = typing.get_type_hints(ObjectiveConfig)
+    assert typing.get_args(hints["kl_estimator"]) == losses.KL_ESTIMATORS
+    # the mismatch metrics are metrics the step logs for every objective
+    metrics = set(losses.AUX_KEYS) | {"token_gate_frac", "token_extreme_frac"}
+    assert set(typing.get_args(typing.get_type_hints(TrainConfig)["mismatch_metric"])) <= metrics
+    for bad in ("train.mini_batches=0", "objective.kl_coef=-1", "train.mismatch_target=0",
+                "train.max_fetches=0", "objective.kl_estimator=k4"):
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            load_config(None, [bad])
