@@ -82,6 +82,9 @@ class ModelConfig:
     # full-sequence attention; auto: splash (TPU), cudnn (GPU), reference or blockwise (CPU)
     attention: AttentionImpl = "auto"
     scan_layers: bool = False  # one lax.scan over the layers: compile time flat in depth
+    # the frozen reference policy of objective.kl_coef: a local HF checkpoint dir; empty:
+    # the policy RL starts from (the warm-up, or `path`)
+    ref_path: str = ""
 
 
 @dataclasses.dataclass
@@ -154,6 +157,10 @@ class ObjectiveConfig:
     # token-sized radius. ``objective.hparams={}`` restores the objective's own defaults.
     hparams: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"eps_low": 0.05, "eps_high": 0.07})
+    # + kl_coef * KL(policy || reference) per token (k1 | k2 | k3 estimator, token mean)
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0  # - entropy_coef * token entropy (token mean)
 
 
 @dataclasses.dataclass
@@ -173,6 +180,19 @@ class TrainConfig:
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
     preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # each rollout batch: mini_batches optimizer steps per pass, updates_per_batch passes
+    updates_per_batch: int = 1
+    mini_batches: int = 1
+    # lag bounded by measured mismatch: the lag the queue admits (0..max_lag) is lowered
+    # while mismatch_metric over the last mismatch_window batches exceeds the target and
+    # raised while it stays under it; None: always max_lag
+    mismatch_target: float | None = None
+    mismatch_metric: Literal["kl_k3", "token_gate_frac"] = "kl_k3"
+    mismatch_window: int = 4
+    # dynamic sampling: drop groups whose rewards are all equal, refill from the queue, and
+    # after max_fetches fetches (each asks for what is missing) train on what the batch has
+    drop_uniform_groups: bool = False
+    max_fetches: int = 8
 
 
 @dataclasses.dataclass
@@ -372,6 +392,14 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.max_lag >= 0, "train.max_lag", ">= 0")
     need(cfg.train.learning_rate > 0, "train.learning_rate", "> 0")
     need(cfg.train.grad_accum >= 1, "train.grad_accum", ">= 1")
+    need(cfg.train.updates_per_batch >= 1, "train.updates_per_batch", ">= 1")
+    need(cfg.train.mini_batches >= 1, "train.mini_batches", ">= 1")
+    need(cfg.train.mismatch_target is None or cfg.train.mismatch_target > 0,
+         "train.mismatch_target", "> 0 (or null: off)")
+    need(cfg.train.mismatch_window >= 1, "train.mismatch_window", ">= 1")
+    need(cfg.train.max_fetches >= 1, "train.max_fetches", ">= 1")
+    need(cfg.objective.kl_coef >= 0, "objective.kl_coef", ">= 0")
+    need(cfg.objective.entropy_coef >= 0, "objective.entropy_coef", ">= 0")
     need(cfg.train.keyframe_every >= 1, "train.keyframe_every", ">= 1 (1: every version full)")
     need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
          "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")

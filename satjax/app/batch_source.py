@@ -16,6 +16,13 @@ batch (``make_batch``) and places it on the mesh; in a multi-process run the pro
 agree on it (collectives, ``satjax.app.multihost``) and placing is itself a collective, so
 both happen on the main thread, in :meth:`BatchSource.next`, in the same order everywhere.
 
+Dynamic sampling (``drop_uniform_groups``, DAPO's): groups whose rewards are all equal have
+zero group-normalised advantages and teach nothing, so the fetch drops them as they arrive
+and asks the queue for more, until the batch holds ``rows`` trajectories of informative
+groups or ``max_fetches`` GetBatch answers have come; then it trains on what it has (the
+step pads it to the full size with masked rows, so its shape does not change). The dropped
+groups are acknowledged with the batch, like the groups trained on.
+
 A fetched batch is only *delivered* by the queue until the trainer acknowledges it after a
 durable checkpoint, so a batch fetched but never trained on (the run stopped, crashed, or
 was interrupted) is delivered again to the next trainer (``redeliver_unacked`` on its first
@@ -57,6 +64,8 @@ class Delivery:
     trajectories: list[Trajectory]
     batch: Any
     reply: TrajectoryBatch | None
+    dropped_uniform_groups: int = 0  # groups dropped for equal rewards (primary only)
+    fetches: int = 0  # GetBatch answers with trajectories this batch took (primary only)
 
 
 class _Fetch:
@@ -66,6 +75,8 @@ class _Fetch:
         self.version = version
         self.done = threading.Event()
         self.reply: TrajectoryBatch | None = None
+        self.dropped_uniform_groups = 0
+        self.fetches = 0
         self.batch: Any = None  # prepared in the thread (single-process runs)
         self.error: BaseException | None = None
 
@@ -78,7 +89,9 @@ class BatchSource:
     The loop calls :meth:`next` with the version the batch is trained at, and may call
     :meth:`prefetch` with the next version as soon as it has the batch, before the step:
     the next batch is then fetched while the step runs. Without ``prefetch``, :meth:`next`
-    fetches when called. ``max_lag``: the queue drops trajectories staler than this.
+    fetches when called. ``max_lag``: the queue drops trajectories staler than this; the
+    loop may change it between batches (``train.mismatch_target``), each GetBatch call
+    reads it.
     ``take_over``: the first GetBatch fences a previous trainer that still holds the queue
     (a resumed run). ``rows_per_call``: fetch in GetBatch calls of at most this many
     trajectories (a multiple of ``group_size``); None: the whole batch in one call, halved
@@ -86,14 +99,16 @@ class BatchSource:
     paper's 2 GB batch against the 64 MiB default), so no size has to be configured. Each
     call tells the queue the whole batch's size (``batch_rows``: its ShouldPause predicts
     lags in whole batches). ``on_poll``: called on the main thread while the primary waits
-    (e.g. raise if a child process died).
+    (e.g. raise if a child process died). ``drop_uniform_groups``, ``max_fetches``: dynamic
+    sampling (module docstring).
     """
 
     def __init__(self, peers: Peers, client: QueueClient | None, *, rows: int, max_lag: int,
                  prepare: Callable[[list[Trajectory]], Any], num_experts: int | None = None,
                  take_over: bool = False, rows_per_call: int | None = None,
                  group_size: int = 1, on_poll: Callable[[], None] = lambda: None,
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, drop_uniform_groups: bool = False,
+                 max_fetches: int = 1) -> None:
         if peers.primary and client is None:
             raise ValueError("client: the primary process needs a QueueClient")
         if rows < 1 or group_size < 1 or rows % group_size or (
@@ -105,6 +120,9 @@ class BatchSource:
         self.num_experts, self.take_over = num_experts, take_over
         self.rows_per_call, self.group_size = rows_per_call or rows, group_size
         self.on_poll, self.poll_s = on_poll, poll_s
+        if max_fetches < 1:
+            raise ValueError(f"max_fetches: must be >= 1, got {max_fetches}")
+        self.drop_uniform_groups, self.max_fetches = drop_uniform_groups, max_fetches
         # a batch placed by the fetch thread needs no collective: single-process runs only
         self._prepare_in_thread = peers.count == 1
         self._first_call = True  # the first GetBatch re-reads what no trainer acknowledged
@@ -136,7 +154,7 @@ class BatchSource:
         """The fetch thread: one fetch after another, until close() sends None."""
         while (fetch := self._requests.get()) is not None:
             try:
-                fetch.reply = self._get(fetch.version)
+                self._get(fetch)
                 if fetch.reply is not None and self._prepare_in_thread:
                     fetch.batch = self.prepare(fetch.reply.trajectories)
             except BaseException as e:  # raised on the main thread by next()
@@ -145,41 +163,66 @@ class BatchSource:
                 fetch.done.set()
             del fetch  # the batch is next()'s now: not held here until the next request
 
-    def _get(self, version: int) -> TrajectoryBatch | None:
-        """The GetBatch calls of one batch, repeated until it is whole (None: cancelled;
-        what it had got stays unacknowledged, so the queue delivers it again)."""
+    def _get(self, fetch: _Fetch) -> None:
+        """The GetBatch calls of one batch, repeated until it is whole, into ``fetch``
+        (``reply`` None: cancelled; what it had got stays unacknowledged, so the queue
+        delivers it again). With ``drop_uniform_groups``: whole once it holds ``rows``
+        trajectories of informative groups, or after ``max_fetches`` rounds (a round asks
+        for what is missing, in as many calls as one message allows)."""
         assert self.client is not None  # the primary's, checked in __init__
         parts: list[TrajectoryBatch] = []
-        got = dropped = 0
-        while got < self.rows:
-            if self._cancel.is_set():
-                return None
-            try:
-                reply = self.client.get_batch(
-                    min(self.rows_per_call, self.rows - got), trainer_version=version,
-                    max_lag=self.max_lag, timeout=CALL_S, redeliver_unacked=self._first_call,
-                    # a resumed trainer fences its dead predecessor explicitly (the queue
-                    # refuses a second consumer)
-                    take_over=self._first_call and self.take_over, batch_rows=self.rows)
-            except QueueTooLargeError:  # nothing was delivered: ask again for fewer groups
-                half = self.rows_per_call // 2 // self.group_size * self.group_size
-                if half < self.group_size:  # the queue refuses such groups at put time
-                    raise
-                log.warning("a GetBatch of %d trajectories is over the queue's message size: "
-                            "fetching batches in calls of %d", self.rows_per_call, half)
-                self.rows_per_call = half
-                continue
-            self._first_call = False
-            dropped += reply.dropped_stale
-            if reply.trajectories:  # empty: fewer fresh trajectories than asked so far
-                parts.append(reply)
-                got += len(reply.trajectories)
+        kept: list[Trajectory] = []
+        last_dropped: list[Trajectory] = []
+        dropped = rounds = 0
+        while len(kept) < self.rows:
+            if self.drop_uniform_groups and rounds >= self.max_fetches:
+                log.info("dynamic sampling: %d of %d trajectories informative after %d "
+                         "fetches; training on them", len(kept), self.rows, rounds)
+                break
+            need, got = self.rows - len(kept), []
+            while len(got) < need:
+                if self._cancel.is_set():
+                    return
+                try:
+                    reply = self.client.get_batch(
+                        min(self.rows_per_call, need - len(got)),
+                        trainer_version=fetch.version, max_lag=self.max_lag, timeout=CALL_S,
+                        redeliver_unacked=self._first_call,
+                        # a resumed trainer fences its dead predecessor explicitly (the
+                        # queue refuses a second consumer)
+                        take_over=self._first_call and self.take_over, batch_rows=self.rows)
+                except QueueTooLargeError:  # nothing was delivered: ask for fewer groups
+                    half = self.rows_per_call // 2 // self.group_size * self.group_size
+                    if half < self.group_size:  # the queue refuses such groups at put time
+                        raise
+                    log.warning("a GetBatch of %d trajectories is over the queue's message "
+                                "size: fetching batches in calls of %d",
+                                self.rows_per_call, half)
+                    self.rows_per_call = half
+                    continue
+                self._first_call = False
+                dropped += reply.dropped_stale
+                if reply.trajectories:  # empty: fewer fresh trajectories than asked so far
+                    parts.append(reply)
+                    got.extend(reply.trajectories)
+            rounds += 1
+            if self.drop_uniform_groups:
+                informative, last_dropped = split_uniform_groups(got)
+                kept.extend(informative)
+                fetch.dropped_uniform_groups += (len({t.group_id for t in got})
+                                                 - len({t.group_id for t in informative}))
+            else:
+                kept.extend(got)
+        if not kept:  # every group of every fetch uniform: train on the last ones (A = 0)
+            kept = last_dropped
+            fetch.dropped_uniform_groups -= len({t.group_id for t in kept})
         hist: collections.Counter[int] = collections.Counter()
         for p in parts:
             hist.update(p.lag_histogram)
-        return TrajectoryBatch([t for p in parts for t in p.trajectories],
-                               cursor=max(p.cursor for p in parts), lag_histogram=dict(hist),
-                               dropped_stale=dropped)
+        fetch.fetches = rounds
+        # the cursor of every answer, dropped groups included: they are acknowledged too
+        fetch.reply = TrajectoryBatch(kept, cursor=max(p.cursor for p in parts),
+                                      lag_histogram=dict(hist), dropped_stale=dropped)
 
     # -- the main thread ------------------------------------------------------------------
     def _wait(self, version: int, stop: Callable[[], bool]) -> _Fetch | None:
@@ -225,7 +268,10 @@ class BatchSource:
             if poll == Poll.BATCH:
                 batch = fetch.batch if fetch is not None and fetch.batch is not None \
                     else self.prepare(trajectories)
-                return Delivery(trajectories, batch, reply)
+                return Delivery(trajectories, batch, reply,
+                                dropped_uniform_groups=fetch.dropped_uniform_groups
+                                if fetch is not None else 0,
+                                fetches=fetch.fetches if fetch is not None else 0)
 
     def close(self) -> None:
         """Stops the fetch in flight, if any (within one GetBatch call); a batch it got is
@@ -238,3 +284,19 @@ class BatchSource:
         if fetch is not None and fetch.reply is not None:
             log.info("a batch fetched for version %d (cursor %d) was not trained on; the "
                      "queue delivers it again", fetch.version, fetch.reply.cursor)
+
+
+def split_uniform_groups(trajectories: list[Trajectory]
+                         ) -> tuple[list[Trajectory], list[Trajectory]]:
+    """(informative, uniform): the trajectories of groups whose rewards differ, and of
+    groups whose rewards are all equal (zero group-normalised advantage), order kept.
+
+    References:
+      DAPO: Yu et al. 2025, arXiv:2503.14476 (dynamic sampling).
+    """
+    rewards: dict[str, set[float]] = collections.defaultdict(set)
+    for t in trajectories:
+        rewards[t.group_id].add(float(t.reward))
+    informative = [t for t in trajectories if len(rewards[t.group_id]) > 1]
+    uniform = [t for t in trajectories if len(rewards[t.group_id]) == 1]
+    return informative, uniform

@@ -315,8 +315,11 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     task = build_task(cfg, tokenizer)
     if not primary:  # process 0 makes (or finds) the warm-up; the others load it
         wait_for_warm_start(cfg)
+    reference = (from_pretrained(cfg.model.ref_path, **model_options(cfg))
+                 if cfg.objective.kl_coef > 0 and cfg.model.ref_path else None)
     trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress and primary,
-                                      log_every=log_every), tokenizer, resume=resume)
+                                      log_every=log_every), tokenizer, resume=resume,
+                      reference=reference)
     if trainer.step:
         say(f"resumed from the checkpoint at step {trainer.step}")
     token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()
@@ -378,10 +381,12 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
         stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
         abandon = False  # set when a multi-process run fails here: no more collectives
         # after a restart, its first GetBatch re-reads what the lost steps had consumed
-        source = BatchSource(peers, client, rows=n_rows, max_lag=cfg.train.max_lag,
+        source = BatchSource(peers, client, rows=n_rows, max_lag=trainer.lag_limit,
                              prepare=trainer.prepare,
                              num_experts=trainer.model_config.num_experts, take_over=resume,
-                             group_size=cfg.rollout.group_size, on_poll=procs.check_alive)
+                             group_size=cfg.rollout.group_size, on_poll=procs.check_alive,
+                             drop_uniform_groups=cfg.train.drop_uniform_groups,
+                             max_fetches=cfg.train.max_fetches)
 
         try:
             while trainer.step < cfg.train.steps:
@@ -401,6 +406,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     say("compiling the train step (the first step; later ones are fast)")
                 t0 = time.perf_counter()
                 metrics = trainer.train_on(delivered.trajectories, delivered.batch)
+                source.max_lag = trainer.lag_limit  # train.mismatch_target's decision
                 metrics.update({"time/wait_data_s": wait_s,
                                 "time/step_s": time.perf_counter() - t0, **tail})
                 metrics.update(eval_during_training(cfg, trainer.step,
@@ -412,6 +418,10 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                     trainer.queue_cursor = max(unacked.cursors)
                     now = time.time()
                     metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
+                    if cfg.train.drop_uniform_groups:
+                        metrics["dropped_uniform_groups"] = float(
+                            delivered.dropped_uniform_groups)
+                        metrics["queue/fetches"] = float(delivered.fetches)
                     metrics["trajectories_per_s"] = (len(delivered.trajectories)
                                                      / max(now - t_last, 1e-9))
                     t_last = now

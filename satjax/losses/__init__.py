@@ -8,6 +8,7 @@ One module per family, everything re-exported here (``satjax.losses.X``):
 * :mod:`~satjax.losses.sat`: ``sat_interval`` (Hill and Gauss kernels);
 * :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
 * :mod:`~satjax.losses.advantages`: ``group_advantages``;
+* :mod:`~satjax.losses.regularizers`: ``kl_penalty`` (k1/k2/k3 KL to a reference policy);
 * :mod:`~satjax.losses.quantile`: ``masked_quantile``, ``masked_mean``;
 * :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
   objective (``SatGspoHParams``, ...) and for ``group_advantages``
@@ -54,15 +55,16 @@ from satjax.losses.policy_gradient import (
     sat_ppo_loss,
 )
 from satjax.losses.quantile import masked_mean, masked_quantile
+from satjax.losses.regularizers import KL_ESTIMATORS, kl_penalty
 from satjax.losses.sat import sat_interval
 
 __all__ = [
-    "AUX_KEYS", "IS_CORRECTIONS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
+    "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
     "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
     "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
     "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
     "clipped_surrogate", "dppo_kl_loss", "dppo_tv_loss", "group_advantages", "grpo_loss",
-    "gspo_loss", "gspo_token_loss", "masked_mean", "masked_quantile", "mis_mask",
+    "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_mean", "masked_quantile", "mis_mask",
     "ppo_clip_loss", "sat_gspo_loss", "sat_interval", "sat_ppo_loss", "tis_weights",
 ]

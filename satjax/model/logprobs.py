@@ -38,15 +38,42 @@ def token_logprobs(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Ar
     head and the log-sum-exp run ``chunk`` positions at a time (:func:`chunked_logprobs`),
     so the full-vocabulary logits of the whole batch never exist at once.
     """
+    lp, _, out = _token_stats(model, tokens, attention_mask, temperature=temperature,
+                              routed_experts=routed_experts, remat=remat, chunk=chunk,
+                              entropy=False)
+    return lp, out
+
+
+def token_logprobs_entropy(model: Qwen3MoeForCausalLM, tokens: Array,
+                           attention_mask: Array | None = None, *, temperature: float = 1.0,
+                           routed_experts: Array | None = None, remat: str = "none",
+                           chunk: int = LOGITS_CHUNK) -> tuple[Array, Array, BackboneOutput]:
+    """:func:`token_logprobs` plus the entropy [B, T] f32 of each position's predictive
+    distribution at ``temperature`` (:func:`chunked_logprobs_entropy`, same alignment and
+    zeros as the log-probs)."""
+    lp, ent, out = _token_stats(model, tokens, attention_mask, temperature=temperature,
+                                routed_experts=routed_experts, remat=remat, chunk=chunk,
+                                entropy=True)
+    assert ent is not None  # entropy=True
+    return lp, ent, out
+
+
+def _token_stats(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Array | None, *,
+                 temperature: float, routed_experts: Array | None, remat: str, chunk: int,
+                 entropy: bool) -> tuple[Array, Array | None, BackboneOutput]:
     tokens = jnp.asarray(tokens)
     out = model.backbone(tokens, attention_mask=attention_mask, routed_experts=routed_experts,
                          remat=remat)
-    picked = chunked_logprobs(out.hidden[:, :-1], model.head_weight(), tokens[:, 1:],
-                              temperature=temperature, chunk=chunk)
-    lp = jnp.pad(picked, ((0, 0), (1, 0)))
-    if attention_mask is not None:
-        lp = lp * jnp.asarray(attention_mask).astype(lp.dtype)
-    return lp, out
+    picked, ent = _chunked(out.hidden[:, :-1], model.head_weight(), tokens[:, 1:],
+                           temperature=temperature, chunk=chunk, entropy=entropy)
+
+    def aligned(x: Array) -> Array:
+        x = jnp.pad(x, ((0, 0), (1, 0)))
+        if attention_mask is not None:
+            x = x * jnp.asarray(attention_mask).astype(x.dtype)
+        return x
+
+    return aligned(picked), None if ent is None else aligned(ent), out
 
 
 def chunked_logprobs(hidden: Array, head: Array, targets: Array, *, temperature: float = 1.0,
@@ -61,13 +88,38 @@ def chunked_logprobs(hidden: Array, head: Array, targets: Array, *, temperature:
     backward never forms a log-softmax either (the gradient of logsumexp is the softmax,
     recomputed per chunk).
     """
+    return _chunked(hidden, head, targets, temperature=temperature, chunk=chunk,
+                    entropy=False)[0]
+
+
+def chunked_logprobs_entropy(hidden: Array, head: Array, targets: Array, *,
+                             temperature: float = 1.0, chunk: int = LOGITS_CHUNK
+                             ) -> tuple[Array, Array]:
+    """:func:`chunked_logprobs` and the token entropy of the same distribution, both
+    float32 [B, T], from the same chunks (never [B, T, V] at once).
+
+    With ``z`` the temperature-scaled logits of a position and ``p = softmax(z)``:
+    ``H = logsumexp(z) - sum_v p_v z_v`` (= ``-sum_v p_v log p_v``), differentiable.
+    """
+    lp, ent = _chunked(hidden, head, targets, temperature=temperature, chunk=chunk,
+                       entropy=True)
+    assert ent is not None  # entropy=True
+    return lp, ent
+
+
+def _chunked(hidden: Array, head: Array, targets: Array, *, temperature: float, chunk: int,
+             entropy: bool) -> tuple[Array, Array | None]:
+    """The chunked head: (log-probs [B, T], entropy [B, T] or None)."""
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
 
-    def block(h: Array, y: Array) -> Array:
+    def block(h: Array, y: Array) -> tuple[Array, Array | None]:
         scaled = (h @ head).astype(jnp.float32) / temperature
-        return (jnp.take_along_axis(scaled, y[..., None], axis=-1)[..., 0]
-                - jax.nn.logsumexp(scaled, axis=-1))
+        lse = jax.nn.logsumexp(scaled, axis=-1)
+        picked = jnp.take_along_axis(scaled, y[..., None], axis=-1)[..., 0] - lse
+        if not entropy:
+            return picked, None
+        return picked, lse - jnp.sum(jax.nn.softmax(scaled, axis=-1) * scaled, axis=-1)
 
     b, t = targets.shape
     if t <= chunk:
@@ -78,7 +130,11 @@ def chunked_logprobs(hidden: Array, head: Array, targets: Array, *, temperature:
     ys = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk)
     step = jax.checkpoint(lambda _, xs: (None, block(*xs)))
     _, out = jax.lax.scan(step, None, (jnp.moveaxis(hs, 1, 0), jnp.moveaxis(ys, 1, 0)))
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk)[:, :t]
+
+    def unchunk(x: Array) -> Array:
+        return jnp.moveaxis(x, 0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk(out[0]), None if out[1] is None else unchunk(out[1])
 
 
 def canary_logprobs(model: Qwen3MoeForCausalLM, tokens: Sequence[int]) -> list[float]:

@@ -35,6 +35,10 @@ class Batch:
                                          experts token t was routed to (last real position
                                          zeros)
       advantages        float32 [B] or None  precomputed advantages (else from rewards)
+      old_logprobs      float32 [B, T] or None  the proximal policy's log-probs, when the
+                                         objective's ratio is taken against them
+                                         (several updates per rollout batch: the step
+                                         computes them itself)
     """
 
     tokens: jax.Array
@@ -46,6 +50,7 @@ class Batch:
     policy_versions: jax.Array
     routed_experts: jax.Array | None = None
     advantages: jax.Array | None = None
+    old_logprobs: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
 
     def route_mask(self) -> jax.Array:
@@ -84,6 +89,7 @@ def make_batch(
     batch_multiple: int = 1,
     advantages: Sequence[float] | None = None,
     mask_truncated: bool = False,
+    min_rows: int = 0,
 ) -> Batch:
     """Pads trajectories into a ``Batch`` (host numpy arrays; device_put them yourself).
 
@@ -96,6 +102,8 @@ def make_batch(
         trajectory carries ``routed_experts`` or none does.
       batch_multiple: B is padded up to a multiple of lcm(batch_multiple, group_size)
         with fully masked rows (pass the data-parallel size of the mesh).
+      min_rows: B is at least this (padded the same way): a batch that may come short
+        (dynamic sampling) keeps the step's shape.
       advantages: optional precomputed advantages, one per trajectory (in input order).
       mask_truncated: give truncated responses (``Trajectory.truncated``) a zero
         ``loss_mask`` (DAPO's overlong filtering, arXiv:2503.14476): they still count in
@@ -133,7 +141,7 @@ def make_batch(
         )
     multiple = math.lcm(batch_multiple, group_size)
     n = len(ordered)
-    B = -(-n // multiple) * multiple
+    B = -(-max(n, min_rows) // multiple) * multiple
 
     with_routes = [t for t in ordered if t.routed_experts is not None]
     if with_routes and len(with_routes) != len(ordered):

@@ -6,7 +6,9 @@ A checkpoint (one directory per step, the last ``keep`` kept) holds two items:
   optimizer state, ``step``, ``policy_version`` and the raw RNG key;
 - ``extra`` (JSON): ``queue_cursor``, the trajectory-queue position. That cursor is the
   trainer's whole data position: the prompt iterators live in the rollout workers, and
-  what they produced but the trainer had not consumed is still on the queue.
+  what they produced but the trainer had not consumed is still on the queue. And
+  ``loop_state``, the training loop's own JSON state (the lag controller's,
+  ``satjax.train.lag_control``; ``{}`` when it has none).
 
 Saves are asynchronous where Orbax supports it; ``close()`` (or leaving the ``with``
 block) waits for pending writes. Restoring takes a state template (concrete or from
@@ -45,6 +47,7 @@ class Restored:
     state: nnx.State
     step: int
     queue_cursor: int
+    loop_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Checkpointer:
@@ -86,11 +89,14 @@ class Checkpointer:
         state: nnx.State,
         *,
         queue_cursor: int = 0,
+        loop_state: dict[str, Any] | None = None,
     ) -> bool:
-        """Saves ``state`` as checkpoint ``step`` now (e.g. at exit); returns whether saved."""
+        """Saves ``state`` as checkpoint ``step`` now (e.g. at exit); returns whether saved.
+        ``loop_state``: JSON-serialisable state of the loop, given back by :meth:`restore`."""
         extra = {
             "queue_cursor": int(queue_cursor),
             "step": int(step),
+            "loop_state": dict(loop_state or {}),
         }
         saved = self.manager.save(
             int(step),
@@ -146,6 +152,7 @@ class Checkpointer:
             state=state,
             step=int(step),
             queue_cursor=int(extra.get("queue_cursor", 0)),
+            loop_state=dict(extra.get("loop_state", {})),
         )
 
     def wait(self) -> None:

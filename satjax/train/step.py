@@ -20,6 +20,7 @@ This costs one extra forward pass per micro-batch when ``grad_accum > 1``; with
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -32,8 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from satjax import losses, objectives, parallel
+from satjax.config import ObjectiveConfig
 from satjax.model import REMAT_POLICIES
-from satjax.model.logprobs import router_mismatch, token_logprobs
+from satjax.model.logprobs import router_mismatch, token_logprobs, token_logprobs_entropy
 from satjax.train.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,11 @@ def _merge_micro(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+# Metrics of one optimizer update that the rollout batch reports from its last update
+# rather than as the mean over its updates: how much the trust region binds at the end.
+LAST_UPDATE_METRICS = ("clip_frac_low", "clip_frac_high")
+
+
 class _TrainStep:
     """Callable ``(state, batch) -> (state, metrics)``; ``state`` is donated.
 
@@ -128,13 +135,30 @@ class _TrainStep:
         normalize_adv_std: bool,
         donate: bool,
         remat: str,
+        updates_per_batch: int = 1,
+        mini_batches: int = 1,
+        kl_coef: float = 0.0,
+        kl_estimator: str = ObjectiveConfig().kl_estimator,
+        entropy_coef: float = 0.0,
+        reference: nnx.State | None = None,
     ) -> None:
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+        if updates_per_batch < 1 or mini_batches < 1:
+            raise ValueError(f"updates_per_batch, mini_batches: must be >= 1, got "
+                             f"{updates_per_batch}, {mini_batches}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+        if kl_coef < 0 or entropy_coef < 0:
+            raise ValueError(f"kl_coef, entropy_coef: must be >= 0, got {kl_coef}, "
+                             f"{entropy_coef}")
+        if kl_estimator not in losses.KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: must be one of {losses.KL_ESTIMATORS}, got "
+                             f"{kl_estimator!r}")
+        if kl_coef > 0 and reference is None:
+            raise ValueError("reference: kl_coef > 0 needs the reference policy's parameters")
         self.graphdef = graphdef
         self.mesh = mesh
         self.objective_name = objective
@@ -146,8 +170,22 @@ class _TrainStep:
         self.normalize_adv_std = normalize_adv_std
         self.donate = donate
         self.remat = remat
+        self.updates_per_batch = updates_per_batch
+        self.mini_batches = mini_batches
+        self.kl_coef = kl_coef
+        self.kl_estimator = kl_estimator
+        self.entropy_coef = entropy_coef
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
+        # The frozen reference policy: its own copy of the parameters (the policy's are
+        # donated and updated in place), sharded like the policy's, not in the optimizer.
+        self.reference_shardings = None
+        self.reference = None
+        if kl_coef > 0:
+            assert reference is not None  # checked above
+            self.reference_shardings = parallel.state_shardings(reference, mesh)
+            self.reference = jax.device_put(jax.tree.map(jnp.copy, reference),
+                                            self.reference_shardings)
         self.num_compilations = 0
         self.traced_shapes: list[tuple[int, ...]] = []
         self._jitted: dict[Any, jax.stages.Wrapped] = {}
@@ -163,8 +201,39 @@ class _TrainStep:
         return jax.device_put(batch, self.batch_shardings(batch))
 
     # -- the step ---------------------------------------------------------------------
+    def _logprobs_fn(self, gdm: nnx.GraphDef, rest: nnx.State, entropy: bool):
+        """``(params, batch) -> (log-probs [B, T], entropy [B, T] or None, router_topk,
+        experts_used [B, T, L, k])`` of the model ``gdm`` with ``params`` and ``rest``."""
+
+        def logprobs_of(p: nnx.State, mb: Batch):
+            replayed = mb.routed_experts if self.replay else None
+            model = nnx.merge(gdm, p, rest)
+            if entropy:
+                lp, ent, out = token_logprobs_entropy(
+                    model, mb.tokens, mb.attention_mask, temperature=self.temperature,
+                    routed_experts=replayed, remat=self.remat)
+            else:
+                lp, out = token_logprobs(model, mb.tokens, mb.attention_mask,
+                                         temperature=self.temperature,
+                                         routed_experts=replayed, remat=self.remat)
+                ent = None
+            return lp, ent, out.router_topk, out.experts_used
+
+        return logprobs_of
+
+    def _forward(self, logprobs_of, params: nnx.State, batch: Batch) -> jax.Array:
+        """Detached log-probs [B, T] of ``batch`` under ``params``, ``grad_accum`` micro-
+        batches at a time (the proximal policy's before the updates, the reference's)."""
+        if self.grad_accum == 1:
+            lp = logprobs_of(params, batch)[0]
+        else:
+            micro = jax.tree.map(lambda x: _split_micro(x, self.grad_accum), batch)
+            lp = _merge_micro(jax.lax.map(lambda mb: logprobs_of(params, mb)[0], micro))
+        return jax.lax.stop_gradient(lp)
+
     def _grads(
-        self, model: nnx.Module, batch: Batch, advantages: jax.Array
+        self, model: nnx.Module, batch: Batch, advantages: jax.Array,
+        reference: nnx.State | None,
     ) -> tuple[Any, jax.Array, Metrics, Metrics]:
         """(grads over nnx.Param, loss, objective aux, router aux)."""
         # flax annotates split as (graphdef, state, *states); two filters give exactly three
@@ -174,21 +243,37 @@ class _TrainStep:
             "advantages": advantages,
             "mask": batch.loss_mask.astype(jnp.float32),
         }
+        if batch.old_logprobs is not None:
+            obj_batch["old_logprobs"] = batch.old_logprobs.astype(jnp.float32)
+        with_entropy = self.entropy_coef > 0
+        logprobs_of = self._logprobs_fn(gdm, rest, with_entropy)
+        ref_lp = (self._forward(logprobs_of, reference, batch)
+                  if self.kl_coef > 0 and reference is not None else None)
 
-        def logprobs_of(p: nnx.State, mb: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-            """(log-probs [B, T], router_topk, experts_used [B, T, L, k]) of a micro-batch."""
-            replayed = mb.routed_experts if self.replay else None
-            lp, out = token_logprobs(nnx.merge(gdm, p, rest), mb.tokens, mb.attention_mask,
-                                     temperature=self.temperature, routed_experts=replayed,
-                                     remat=self.remat)
-            return lp, out.router_topk, out.experts_used
+        def total_loss(lp: jax.Array, ent: jax.Array | None) -> tuple[jax.Array, Metrics]:
+            """The objective plus the KL and entropy terms, each logged."""
+            loss, oaux = self.objective_fn(lp, obj_batch)
+            if ref_lp is None and ent is None:
+                return loss, oaux
+            terms = {"policy_loss": loss}
+            valid = obj_batch["mask"] > 0
+            if ref_lp is not None:
+                kl = losses.masked_mean(losses.kl_penalty(lp, ref_lp, obj_batch["mask"],
+                                                          self.kl_estimator), valid)
+                loss = loss + self.kl_coef * kl
+                terms["kl_ref"] = kl
+            if ent is not None:
+                h = losses.masked_mean(ent, valid)
+                loss = loss - self.entropy_coef * h
+                terms["entropy"] = h
+            return loss, {**oaux, **jax.lax.stop_gradient(terms)}
 
         A = self.grad_accum
         if A == 1:
 
             def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
-                lp, topk, used = logprobs_of(p, batch)
-                loss, oaux = self.objective_fn(lp, obj_batch)
+                lp, ent, topk, used = logprobs_of(p, batch)
+                loss, oaux = total_loss(lp, ent)
                 oaux = {**oaux, **staleness_metrics(lp, obj_batch["behavior_logprobs"],
                                                     obj_batch["mask"])}
                 return loss, (oaux, _route_metrics(topk, used, batch))
@@ -201,19 +286,19 @@ class _TrainStep:
             raise ValueError(f"batch size {B} is not divisible by grad_accum={A}")
         micro = jax.tree.map(lambda x: _split_micro(x, A), batch)
 
-        lp_m, topk_m, used_m = jax.lax.map(lambda mb: logprobs_of(params, mb), micro)
+        lp_m, ent_m, topk_m, used_m = jax.lax.map(lambda mb: logprobs_of(params, mb), micro)
         lp_full = _merge_micro(lp_m)
-        (loss, oaux), g_lp = jax.value_and_grad(
-            lambda lp: self.objective_fn(lp, obj_batch), has_aux=True
-        )(lp_full)
+        ent_full = None if ent_m is None else _merge_micro(ent_m)
+        (loss, oaux), g_out = jax.value_and_grad(
+            lambda x: total_loss(*x), has_aux=True)((lp_full, ent_full))
         oaux = {**oaux, **staleness_metrics(lp_full, obj_batch["behavior_logprobs"],
                                             obj_batch["mask"])}
         raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m), batch)
-        g_micro = _split_micro(g_lp, A)
+        g_micro = jax.tree.map(lambda g: _split_micro(g, A), g_out)
 
-        def pull_back(acc: nnx.State, xs: tuple[Batch, jax.Array]) -> tuple[nnx.State, None]:
+        def pull_back(acc: nnx.State, xs: tuple[Batch, Any]) -> tuple[nnx.State, None]:
             mb, g = xs
-            _, vjp = jax.vjp(lambda p: logprobs_of(p, mb)[0], params)
+            _, vjp = jax.vjp(lambda p: logprobs_of(p, mb)[:2], params)
             (gp,) = vjp(g)
             return jax.tree.map(jnp.add, acc, gp), None
 
@@ -221,17 +306,12 @@ class _TrainStep:
         grads, _ = jax.lax.scan(pull_back, zeros, (micro, g_micro))
         return grads, loss, oaux, raux
 
-    def _step(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Metrics]:
-        # Python side effect: runs once per trace, i.e. once per compilation.
-        self.num_compilations += 1
-        self.traced_shapes.append(tuple(batch.tokens.shape))
-        log.info(
-            "train step compile #%d for batch shape %s", self.num_compilations, batch.tokens.shape
-        )
+    def _update(self, state: nnx.State, batch: Batch, advantages: jax.Array,
+                reference: nnx.State | None) -> tuple[nnx.State, Metrics]:
+        """One optimizer update on ``batch``: (state, that update's metrics)."""
         old = jax.tree.leaves(state)  # the arrays, before the update below mutates ts in place
         ts = nnx.merge(self.graphdef, state)
-        advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
-        grads, loss, oaux, raux = self._grads(ts.model, batch, advantages)
+        grads, loss, oaux, raux = self._grads(ts.model, batch, advantages, reference)
 
         grad_norm = optax.tree.norm(grads)  # before the optimizer's clipping
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -244,15 +324,75 @@ class _TrainStep:
         kept = [jnp.where(finite, n, o) for n, o in zip(new, old, strict=True)]
         ts = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, kept))
         ts.step[...] += 1
-        ts.policy_version[...] += 1
+        metrics: Metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "nonfinite_steps": 1.0 - finite.astype(jnp.float32),  # 1: this update was skipped
+        }
+        if self.lr_schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
+        metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in oaux.items()})
+        metrics.update(raux)
+        return nnx.state(ts), metrics
+
+    def _updates(self, state: nnx.State, batch: Batch, advantages: jax.Array,
+                 reference: nnx.State | None) -> tuple[nnx.State, Metrics]:
+        """``updates_per_batch`` passes over ``mini_batches`` mini-batches, one update each.
+
+        The proximal log-probs (the policy before the first update) are computed once and
+        every update's ratio is clipped against them (``old_logprobs``), while SAT's proxy
+        and the IS corrections stay against the behaviour log-probs. Mini-batch j holds rows
+        j, j+M, ... (strided, as the micro-batches). Metrics: the mean over the updates,
+        the last update's clip fractions, ``nonfinite_steps`` summed (updates skipped).
+        """
+        M, U = self.mini_batches, self.updates_per_batch
+        B = batch.tokens.shape[0]
+        if B % (M * self.grad_accum):
+            raise ValueError(f"batch size {B} is not divisible by mini_batches * grad_accum "
+                             f"= {M} * {self.grad_accum}")
+        model = nnx.merge(self.graphdef, state).model
+        gdm, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+        old_lp = self._forward(self._logprobs_fn(gdm, rest, False), params, batch)
+        full = dataclasses.replace(batch, advantages=advantages, old_logprobs=old_lp)
+        minis = jax.tree.map(lambda x: _split_micro(x, M), full)
+
+        def one_update(st: nnx.State, mb: Batch) -> tuple[nnx.State, Metrics]:
+            assert mb.advantages is not None  # set on ``full`` above
+            return self._update(st, mb, mb.advantages, reference)
+
+        def one_pass(st: nnx.State, _: None) -> tuple[nnx.State, Metrics]:
+            return jax.lax.scan(one_update, st, minis)
+
+        state, per_update = jax.lax.scan(one_pass, state, None, length=U)  # leaves [U, M]
+        metrics = {k: jnp.mean(v) for k, v in per_update.items()}
+        metrics.update({k: per_update[k][-1, -1] for k in LAST_UPDATE_METRICS
+                        if k in per_update})
+        metrics["nonfinite_steps"] = jnp.sum(per_update["nonfinite_steps"])
+        return state, metrics
+
+    def _step(self, state: nnx.State, batch: Batch,
+              reference: nnx.State | None) -> tuple[nnx.State, Metrics]:
+        # Python side effect: runs once per trace, i.e. once per compilation.
+        self.num_compilations += 1
+        self.traced_shapes.append(tuple(batch.tokens.shape))
+        log.info(
+            "train step compile #%d for batch shape %s", self.num_compilations, batch.tokens.shape
+        )
+        advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
+        if self.updates_per_batch * self.mini_batches == 1:
+            state, update_metrics = self._update(state, batch, advantages, reference)
+        else:
+            state, update_metrics = self._updates(state, batch, advantages, reference)
+        ts = nnx.merge(self.graphdef, state)
+        ts.policy_version[...] += 1  # once per rollout batch: the version workers see
 
         valid_rows = jnp.any(batch.loss_mask > 0, axis=-1)
         n_rows = jnp.maximum(jnp.sum(valid_rows), 1)
         lag = (ts.policy_version[...] - 1 - batch.policy_versions).astype(jnp.float32)
         metrics: Metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "nonfinite_steps": 1.0 - finite.astype(jnp.float32),  # 1: this update was skipped
+            "loss": update_metrics.pop("loss"),
+            "grad_norm": update_metrics.pop("grad_norm"),
+            "nonfinite_steps": update_metrics.pop("nonfinite_steps"),
             "tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
             "sequences": jnp.sum(valid_rows).astype(jnp.float32),
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
@@ -260,10 +400,7 @@ class _TrainStep:
             "lag_mean": jnp.sum(lag * valid_rows) / n_rows,
             "lag_max": jnp.max(jnp.where(valid_rows, lag, -jnp.inf)),
         }
-        if self.lr_schedule is not None:
-            metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
-        metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in oaux.items()})
-        metrics.update(raux)
+        metrics.update(update_metrics)
         return nnx.state(ts), metrics
 
     def _compiled_for(self, batch: Batch) -> jax.stages.Wrapped:
@@ -273,7 +410,7 @@ class _TrainStep:
         if fn is None:
             fn = jax.jit(
                 self._step,
-                in_shardings=(self.state_shardings, bsh),
+                in_shardings=(self.state_shardings, bsh, self.reference_shardings),
                 out_shardings=(self.state_shardings, self.replicated),
                 donate_argnums=(0,) if self.donate else (),
             )
@@ -283,12 +420,12 @@ class _TrainStep:
     def __call__(self, state: nnx.State, batch: Batch) -> tuple[nnx.State, Metrics]:
         fn = self._compiled_for(batch)
         with jax.set_mesh(self.mesh):
-            return fn(state, batch)
+            return fn(state, batch, self.reference)
 
     def lower(self, state: nnx.State, batch: Batch) -> Any:
         """``jax.jit(...).lower`` for the batch's layout (for compile-time measurement)."""
         with jax.set_mesh(self.mesh):
-            return self._compiled_for(batch).lower(state, batch)
+            return self._compiled_for(batch).lower(state, batch, self.reference)
 
 
 def make_train_step(
@@ -305,6 +442,12 @@ def make_train_step(
     normalize_adv_std: bool = True,
     donate: bool = True,
     remat: str = "none",
+    updates_per_batch: int = 1,
+    mini_batches: int = 1,
+    kl_coef: float = 0.0,
+    kl_estimator: str = ObjectiveConfig().kl_estimator,
+    entropy_coef: float = 0.0,
+    reference: nnx.State | None = None,
 ) -> _TrainStep:
     """Builds the jitted train step for ``graphdef, state = nnx.split(TrainState(...))``.
 
@@ -324,6 +467,20 @@ def make_train_step(
       remat: what each decoder layer keeps for the backward: "none", "full" (only its
         input; the layer is recomputed) or "dots" (also its weight-matmul outputs); the
         gradients are the same (``satjax.model.transformer.REMAT_POLICIES``).
+      updates_per_batch, mini_batches: the rollout batch is split into ``mini_batches``
+        mini-batches (rows j, j+M, ...) and the optimizer steps once per mini-batch, for
+        ``updates_per_batch`` passes; the ratio is clipped against the log-probs of the
+        policy before the first update (``old_logprobs``), SAT's proxy and the IS
+        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``.
+        ``policy_version`` advances once per call whatever the number of updates; the
+        state's ``step`` counts updates.
+      kl_coef, kl_estimator: adds ``kl_coef * mean(kl_penalty(lp, ref_lp, estimator))``
+        over the valid tokens (``satjax.losses.kl_penalty``), ``ref_lp`` the log-probs of
+        ``reference`` (the Param state of the frozen reference policy, same structure as
+        the policy's; copied and sharded like it, not optimised), computed in the step.
+      entropy_coef: subtracts ``entropy_coef * mean(token entropy)`` over the valid tokens
+        (``satjax.model.logprobs.chunked_logprobs_entropy``). With either coefficient
+        > 0 the metrics hold ``policy_loss`` (the objective's), ``kl_ref``, ``entropy``.
     """
     return _TrainStep(
         graphdef,
@@ -338,4 +495,10 @@ def make_train_step(
         normalize_adv_std=normalize_adv_std,
         donate=donate,
         remat=remat,
+        updates_per_batch=updates_per_batch,
+        mini_batches=mini_batches,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        reference=reference,
     )

@@ -21,6 +21,7 @@ from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import Batch, make_batch
 from satjax.train.checkpoint import Checkpointer
+from satjax.train.lag_control import LagController
 from satjax.train.metrics import to_scalars, trajectory_metrics
 from satjax.train.publish import ShardedPublisher
 from satjax.train.state import TrainState, make_optimizer
@@ -46,27 +47,36 @@ def run_optimizer(cfg: Config) -> optax.GradientTransformation:
                           weight_decay=t.weight_decay)
 
 
-def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh):
+def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
+                   reference: nnx.State | None = None):
     """The run's jitted train step for ``nnx.split(TrainState(model, run_optimizer(cfg)))``
     on ``mesh``, with every setting the config gives it; ``state`` may be abstract (how
-    benchmarks/bench_memory.py compiles the paper's step without its weights)."""
-    t = cfg.train
+    benchmarks/bench_memory.py compiles the paper's step without its weights).
+    ``reference``: the Param state of the reference policy (needed when
+    ``objective.kl_coef > 0``)."""
+    t, o = cfg.train, cfg.objective
     return make_train_step(
-        graphdef, state, mesh=mesh, objective=cfg.objective.name,
-        objective_hp=cfg.objective.hparams, replay=t.replay, grad_accum=t.grad_accum,
+        graphdef, state, mesh=mesh, objective=o.name,
+        objective_hp=o.hparams, replay=t.replay, grad_accum=t.grad_accum,
         temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
-        remat=t.remat)
+        remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
+        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+        reference=reference)
 
 
 class Trainer:
     """The trainer side of a run, starting from the policy ``model``.
+
+    ``reference``: the frozen reference policy of ``objective.kl_coef`` (None: ``model``
+    as given, i.e. the weights RL starts from; unused when ``kl_coef`` is 0).
 
     Checkpoints go to ``<run_dir>/checkpoints`` and published weights to
     ``<run_dir>/weights``. Without ``resume``, a run directory that already holds
     checkpoints is refused (FileExistsError) rather than overwritten.
     """
 
-    def __init__(self, cfg: Config, model, tokenizer, *, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, model, tokenizer, *, resume: bool = False,
+                 reference=None) -> None:
         self.cfg = cfg
         self.dirs = RunDirs(cfg.run_dir)
         ckpt_dir = self.dirs.checkpoints
@@ -82,16 +92,27 @@ class Trainer:
         if t.mesh.size < len(devices):
             log.warning("train.mesh uses %d of %d devices", t.mesh.size, len(devices))
         self.mesh = parallel.make_mesh(t.mesh, devices[: t.mesh.size])
+        # taken (and copied by the step) before any update: the starting weights, also on
+        # --resume, where ``model`` is again the warm-up the run started from
+        ref_state = (nnx.state(model if reference is None else reference, nnx.Param)
+                     if cfg.objective.kl_coef > 0 else None)
         self.graphdef, state = nnx.split(TrainState(model, run_optimizer(cfg)))
-        self.step_fn = run_train_step(cfg, self.graphdef, state, self.mesh)
+        self.step_fn = run_train_step(cfg, self.graphdef, state, self.mesh, ref_state)
         self.state = self.step_fn.place_state(state)
         self.ckpt = Checkpointer(ckpt_dir, save_every=cfg.checkpoint.every,
                                  keep=cfg.checkpoint.keep)
         self.step = 0
         self.queue_cursor = 0
+        # the admitted lag follows the measured mismatch (train.mismatch_target), or is
+        # train.max_lag throughout (None)
+        self.lag_controller = (LagController(max_lag=t.max_lag, target=t.mismatch_target,
+                                             window=t.mismatch_window)
+                               if t.mismatch_target is not None else None)
         if resume and self.ckpt.latest_step() is not None:
             r = self.ckpt.restore(self.state, self.step_fn.state_shardings)
             self.state, self.step, self.queue_cursor = r.state, r.step, r.queue_cursor
+            if self.lag_controller is not None and "lag_controller" in r.loop_state:
+                self.lag_controller.load_state_dict(r.loop_state["lag_controller"])
             log.info("resumed at step %d (queue cursor %d)", self.step, self.queue_cursor)
         # exact-lag workers serve version latest - exact_lag, so keep it and the two newest
         keep = max(3, cfg.train.exact_lag + 2)
@@ -102,6 +123,18 @@ class Trainer:
                                           self.mesh, self.canary_tokens,
                                           keyframe_every=t.keyframe_every, dtype=cfg.model.dtype,
                                           tokenizer=tokenizer)
+
+    @property
+    def lag_limit(self) -> int:
+        """The lag the queue should admit now: the controller's, else ``train.max_lag``."""
+        if self.lag_controller is None:
+            return self.cfg.train.max_lag
+        return self.lag_controller.limit
+
+    def _loop_state(self) -> dict:
+        if self.lag_controller is None:
+            return {}
+        return {"lag_controller": self.lag_controller.state_dict()}
 
     @property
     def policy_version(self) -> int:
@@ -142,12 +175,17 @@ class Trainer:
             mask_truncated=cfg.rollout.overlong == "mask",
             num_layers_moe=len(self.model_config.moe_layer_indices),
             top_k=self.model_config.num_experts_per_tok,
-            batch_multiple=parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum,
+            batch_multiple=(parallel.data_parallel_size(self.mesh) * cfg.train.grad_accum
+                            * cfg.train.mini_batches),
+            # dynamic sampling may train on fewer rows: padded, the step keeps its shape
+            min_rows=(cfg.rollout.prompts_per_step * cfg.rollout.group_size
+                      if cfg.train.drop_uniform_groups else 0),
         )
         return self.step_fn.place_batch(batch)
 
     def train_on(self, trajectories, batch: Batch | None = None) -> dict[str, float]:
-        """One optimizer step on ``trajectories``; returns the step's scalar metrics (the
+        """One train step on ``trajectories`` (``train.updates_per_batch`` x
+        ``train.mini_batches`` optimizer updates); returns the step's scalar metrics (the
         jitted step's own, then :func:`satjax.train.metrics.trajectory_metrics`).
         ``batch``: their :meth:`prepare`, when made ahead (else made here)."""
         version = self.policy_version
@@ -159,6 +197,11 @@ class Trainer:
             log.warning("step %d: loss %s, grad norm %s: not finite, update skipped "
                         "(parameters unchanged)", self.step, scalars["loss"],
                         scalars["grad_norm"])
+        if self.lag_controller is not None:
+            # the decision for the fetches from now on (the next batch may already be on
+            # its way at the previous limit: a prefetching loop asked for it before)
+            scalars["lag_limit"] = float(self.lag_controller.update(
+                scalars[self.cfg.train.mismatch_metric]))
         return {
             **scalars,
             **trajectory_metrics(trajectories, trainer_version=version),
@@ -171,8 +214,10 @@ class Trainer:
         if force or (self.step > 0 and self.step % self.ckpt.save_every == 0):
             self.wait_published()
         if force:
-            return self.ckpt.save(self.step, self.state, queue_cursor=self.queue_cursor)
-        return self.ckpt.maybe_save(self.step, self.state, queue_cursor=self.queue_cursor)
+            return self.ckpt.save(self.step, self.state, queue_cursor=self.queue_cursor,
+                                  loop_state=self._loop_state())
+        return self.ckpt.maybe_save(self.step, self.state, queue_cursor=self.queue_cursor,
+                                    loop_state=self._loop_state())
 
     def close(self) -> None:
         """Waits for the publish and the checkpoint in flight, then releases them."""

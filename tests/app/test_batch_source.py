@@ -230,6 +230,61 @@ def test_a_batch_over_one_message_is_fetched_in_halves_told_the_whole_batch(tmp_
         source.close()
         client.close()
         server.stop(1.0)
+def _uniform(gid: str, reward: float = 1.0) -> list[Trajectory]:
+    """A group whose members all have the same reward (zero advantages)."""
+    return [dataclasses.replace(t, reward=reward) for t in _group(gid)]
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_tops_up(queue):
+    client = queue()
+    client.put(_uniform("A") + _group("B") + _uniform("C", 0.0) + _uniform("D")
+               + _group("E") + _group("F"), strict=True)
+    source = BatchSource(Peers(), client, rows=2 * GROUP, max_lag=5, prepare=_groups,
+                         drop_uniform_groups=True, max_fetches=8)
+    try:
+        got = source.next(0, _never)
+        # answers (asked for what is missing): (A, B), (C), (D), (E): B and E are kept
+        assert got is not None and got.batch == ["B", "E"]
+        assert got.dropped_uniform_groups == 3 and got.fetches == 4
+        assert got.reply is not None
+        # the dropped groups are acknowledged with the batch, F stays on the queue
+        assert client.ack(got.reply.cursor) == 5 * GROUP
+        assert client.stats()["pending"] == GROUP
+    finally:
+        source.close()
+
+
+def test_dynamic_sampling_gives_up_after_max_fetches(queue):
+    client = queue()
+    client.put(_group("A") + _uniform("B") + _uniform("C") + _uniform("D"), strict=True)
+    source = BatchSource(Peers(), client, rows=2 * GROUP, max_lag=5, prepare=_groups,
+                         drop_uniform_groups=True, max_fetches=2)
+    try:
+        got = source.next(0, _never)  # answers: (A, B), (C): gives up with A alone
+        assert got is not None and got.batch == ["A"] and got.fetches == 2
+        assert got.dropped_uniform_groups == 2
+    finally:
+        source.close()
+
+
+def test_dynamic_sampling_with_only_uniform_groups_trains_on_the_last_ones(queue):
+    client = queue()
+    client.put(_uniform("E") + _uniform("F"), strict=True)
+    source = BatchSource(Peers(), client, rows=GROUP, max_lag=5, prepare=_groups,
+                         drop_uniform_groups=True, max_fetches=2)
+    try:
+        got = source.next(0, _never)
+        assert got is not None and got.batch == ["F"] and got.dropped_uniform_groups == 1
+    finally:
+        source.close()
+
+
+def test_split_uniform_groups_keeps_order():
+    trajs = _group("A") + _uniform("B") + _group("C")
+    informative, uniform = batch_source.split_uniform_groups(trajs)
+    assert [t.trajectory_id for t in informative] == [t.trajectory_id for t in trajs
+                                                       if t.group_id != "B"]
+    assert _groups(uniform) == ["B"]
 
 
 def _rss_bytes() -> int:
