@@ -179,7 +179,8 @@ class BatchSource:
                 log.info("dynamic sampling: %d of %d trajectories informative after %d "
                          "fetches; training on them", len(kept), self.rows, rounds)
                 break
-            need, got = self.rows - len(kept), []
+            need = self.rows - len(kept)
+            got: list[Trajectory] = []
             while len(got) < need:
                 if self._cancel.is_set():
                     return
