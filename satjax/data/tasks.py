@@ -214,17 +214,20 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         lines = list(_utf8_lines(f, path))
     for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: must be a JSON object, got "
-                             f"{type(row).__name__}")
-        rows.append(row)
+        if line.strip():
+            rows.append(_json_row(line, path, lineno))
     return rows
+
+
+def _json_row(line: str, path: str | os.PathLike[str], lineno: int) -> dict[str, Any]:
+    """One JSONL line as a row; ValueError naming ``path:lineno`` if it is not an object."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: must be a JSON object, got {type(row).__name__}")
+    return row
 
 
 def first_row(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -241,14 +244,7 @@ def first_row(path: str | os.PathLike[str]) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(_utf8_lines(f, path), 1):
             if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{lineno}: must be a JSON object, got "
-                                     f"{type(row).__name__}")
-                return row
+                return _json_row(line, path, lineno)
     raise ValueError(f"{path}: no examples")
 
 
