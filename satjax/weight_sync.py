@@ -137,6 +137,28 @@ class WeightPublisher:
         self._collect(protect=target_version, published=version)
         return final
 
+    def discard_from(self, version: int) -> None:
+        """Removes the published versions >= ``version``: a timeline a crash discarded (a
+        run resumed from an older checkpoint publishes those numbers again). ``LATEST``
+        (and a ``TARGET``) naming one of them is first pointed at the newest version kept,
+        or removed when none is, so that no reader ever finds a pointer naming a removed
+        version (it would wait for it, or fail)."""
+        versions = published_versions(self.sync_dir)
+        kept = [v for v in versions if v < version]
+        for name in ("LATEST", "TARGET"):
+            pointer = self.sync_dir / name
+            current = _read_int(pointer)
+            if current is None or current < version:
+                continue
+            if kept:
+                atomic_write(pointer, str(kept[-1]))
+            else:
+                pointer.unlink(missing_ok=True)
+                fsync_dir(self.sync_dir)
+        for v in versions:
+            if v >= version:
+                shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
+
     def _collect(self, protect: int | None, published: int) -> None:
         versions = published_versions(self.sync_dir)
         wanted = set(versions[-self.keep:])

@@ -41,7 +41,6 @@ import dataclasses
 import json
 import logging
 import math
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -68,14 +67,12 @@ from satjax.model.hf_io import (
     write_model_files,
     write_safetensors,
 )
-from satjax.run_dir import version_dir
 from satjax.utils import atomic_write
 from satjax.weight_sync import (
     WeightPublisher,
     WeightSyncError,
     delta_file_name,
     encode_delta,
-    published_versions,
 )
 
 log = logging.getLogger(__name__)
@@ -497,10 +494,8 @@ class ShardedPublisher:
                 prev: dict[str, np.ndarray] | None, canary: jax.Array,
                 target_version: int | None, base: int | None) -> None:
         plan = c.plan
-        root = self.publisher.sync_dir
-        for stale in published_versions(root):
-            if stale >= version:  # from a timeline a crash discarded, or this very version
-                shutil.rmtree(version_dir(root, stale), ignore_errors=True)
+        # from a timeline a crash discarded, or this very version
+        self.publisher.discard_from(version)
         dtypes = {d for _, d in plan.shapes.values()}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
 
