@@ -13,6 +13,7 @@ dotted key, e.g. ``config key 'rollout.engine': must be one of 'builtin', 'vllm'
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import types
 import typing
@@ -147,6 +148,8 @@ class QueueConfig:
     data_dir: str = ""  # empty: <run_dir>/queue
     token: str = ""  # empty: a random token for the local server
     fsync: FsyncPolicy = "batch"
+    # how long satjax train waits for the queue (queue.address, or the server it starts)
+    ready_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -353,6 +356,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"config file {str(path)!r}: cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r}: must be UTF-8 text, got byte "
+                              f"0x{e.object[e.start]:02x} at offset {e.start}") from None
         loaded = _parse_yaml(text, f"config file {str(path)!r}") or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r}: must be a mapping at the top level, "
@@ -436,6 +442,7 @@ def _check_values(cfg: Config) -> None:
          "architecture")
     need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
+    need(cfg.queue.ready_timeout_s > 0, "queue.ready_timeout_s", "> 0 seconds")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
     _check_objective(cfg.objective)
 
@@ -483,3 +490,13 @@ def train_buckets(cfg: Config) -> tuple[int, ...]:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False)
+
+
+def config_digest(cfg: Config) -> str:
+    """SHA-256 (hex) of what the run *is*: ``cfg`` as :func:`dump_config` writes it, without
+    ``run_dir`` (a run may move) and ``queue.token`` (never written). Formatting and
+    comments do not change it; any value does."""
+    data = _plain(cfg.to_dict())
+    data.pop("run_dir")
+    data["queue"].pop("token")
+    return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()

@@ -1,6 +1,9 @@
 """The layout of a run directory: every path the trainer, workers and tools share.
 
+    <run_dir>/LOCK                  flock held by the process that runs the run (its pid)
     <run_dir>/config.yaml           the resolved config (workers read it)
+    <run_dir>/config.sha256         its digest (satjax.config.config_digest): --resume
+                                    refuses a hand-edited config.yaml
     <run_dir>/checkpoints/<step>/   Orbax checkpoints of the train state
     <run_dir>/weights/vNNNNNNNN/    published policy versions (see satjax/weight_sync.py)
     <run_dir>/weights/run_config.yaml  the config again, next to the weights: a worker on
@@ -18,6 +21,8 @@ Only this module spells these names; everything else asks it for paths.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import os
 from pathlib import Path
 
@@ -57,6 +62,15 @@ class RunDirs:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def config_digest(self) -> Path:
+        """The digest of ``config.yaml`` as the run wrote it (hex, one line)."""
+        return self.root / "config.sha256"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "LOCK"
 
     @property
     def checkpoints(self) -> Path:
@@ -102,3 +116,54 @@ class RunDirs:
     def version(self, version: int) -> Path:
         """Published policy ``version``: ``weights/vNNNNNNNN``."""
         return version_dir(self.weights, version)
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used: held by a running ``satjax train`` (the message
+    names its pid) or not writable (the message says why)."""
+
+
+class RunLock:
+    """Exclusive ``flock`` on ``<run_dir>/LOCK``: one running trainer per run directory,
+    taken before anything in it is read or written (``satjax train``, ``--resume``
+    included), so a second start cannot overwrite the config of a running run or truncate
+    its metrics.
+
+    The kernel drops the lock with the process (``kill -9`` included), so a LOCK file left
+    behind never blocks a ``--resume``; the pid written into it only names the holder in
+    the refusal. The descriptor is not inherited by children (Python's default), so an
+    orphaned queue server or worker does not hold the run.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        dirs = RunDirs(root)
+        try:
+            dirs.root.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(dirs.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"run_dir {str(root)!r}: must be a writable directory, got "
+                              f"{e.strerror or e} ({e.filename or dirs.lock})") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunDirError(
+                f"run_dir {str(root)!r}: in use by a running satjax train (pid {holder}, "
+                f"which holds {dirs.lock.name}); stop it first, or choose another "
+                "run_dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = -1
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from satjax.config import (
     MeshConfig,
     QueueConfig,
     TrainConfig,
+    config_digest,
     dump_config,
     load_config,
 )
@@ -258,3 +260,17 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
     (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
                                         "train.mesh={data: 8}", "rollout.engine=builtin"]))
+
+
+def test_config_digest_is_of_the_values_the_run_is(tmp_path):
+    cfg = load_config(None, ["task.max_digits=2", "objective.hparams.eps_low=1e-3"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    digest = config_digest(cfg)
+    assert len(digest) == 64 and config_digest(load_config(path)) == digest  # round trip
+    path.write_text("# notes\n" + dump_config(cfg).replace(": ", ":   "))
+    assert config_digest(load_config(path)) == digest  # formatting and comments: same run
+    assert config_digest(dataclasses.replace(cfg, run_dir="elsewhere")) == digest  # moved
+    for change in ("task.max_digits=3", "objective.hparams.eps_low=2e-3", "seed=1",
+                   "model.overrides={num_experts: 4}"):
+        assert config_digest(load_config(path, [change])) != digest, change
