@@ -272,14 +272,20 @@ class QueueServer:
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = f"{host}:{port}"
-        if self.tls:
-            key_cert = ((self.tls[1], self.tls[0]),)
-            self.port = server.add_secure_port(address, grpc.ssl_server_credentials(key_cert))
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.tls:
+                key_cert = ((self.tls[1], self.tls[0]),)
+                self.port = server.add_secure_port(address,
+                                                   grpc.ssl_server_credentials(key_cert))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # what grpcio raises now where it used to return 0
+            self.port = 0
         if not self.port:
             self.queue.close()
-            raise OSError(f"could not bind {address}")
+            raise OSError(f"could not bind {address}: the port is in use (another server?) "
+                          "or the host is not an address of this machine; --port 0 picks "
+                          "a free port")
         server.start()
         for name in ("", SERVICE):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
