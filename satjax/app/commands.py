@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
 import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from satjax.config import Config, ConfigError, load_config
-from satjax.run_dir import RunDirs
+from satjax.config import Config, ConfigError, config_digest, load_config
+from satjax.run_dir import RunDirError, RunDirs
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; used for every user error
 EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C'd command (128 + SIGINT)
@@ -34,7 +37,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C'd command (128 + SIGINT)
 # objective, the optimizer, batch shapes, lags) would silently make it another experiment.
 RESUME_SAFE_KEYS = ("train.steps", "checkpoint.every", "checkpoint.keep", "eval.",
                     "rollout.num_workers", "rollout.vllm_python", "queue.address",
-                    "queue.token", "queue.fsync")
+                    "queue.token", "queue.fsync", "queue.ready_timeout_s")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -83,6 +86,7 @@ def check_resources(cfg: Config) -> None:
         if not cond:
             raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
 
+    _check_overrides(cfg)
     if cfg.model.path:
         config_json = Path(cfg.model.path) / "config.json"
         need(config_json.is_file(), "model.path",
@@ -141,6 +145,41 @@ def check_resources(cfg: Config) -> None:
         except ValueError as e:  # "rollout.vllm_python: <what is wrong>"
             raise ConfigError(f"config key 'rollout.vllm_python': {str(e).partition(': ')[2]}"
                               ) from None
+
+
+def _check_overrides(cfg: Config) -> None:
+    """``model.overrides`` names fields of the model's config, with values it takes (over
+    the tiny preset, or as the whole architecture; over a ``model.path`` checkpoint they
+    are compared with its config.json instead)."""
+    from satjax.model import Qwen3MoeConfig
+
+    fields = [f.name for f in dataclasses.fields(Qwen3MoeConfig)]
+    for key in cfg.model.overrides:
+        if key not in fields:
+            raise ConfigError(f"config key 'model.overrides.{key}': must be a field of the "
+                              f"model config ({', '.join(fields)}), got unknown {key!r}")
+    if cfg.model.path:
+        return
+    try:
+        if cfg.model.preset == "tiny":
+            Qwen3MoeConfig.tiny(**cfg.model.overrides)
+        else:
+            Qwen3MoeConfig(**cfg.model.overrides)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config key 'model.overrides': {e}") from None
+
+
+def check_token(cfg: Config) -> None:
+    """The queue token ``satjax train`` will use (``queue.token``, else the environment's)
+    meets the queue server's rule, so that a short one fails here, not at the first call."""
+    from satjax.queue.server import MIN_TOKEN_CHARS, TOKEN_ENV
+
+    key, token = (("config key 'queue.token'", cfg.queue.token) if cfg.queue.token
+                  else (f"environment variable {TOKEN_ENV}", os.environ.get(TOKEN_ENV, "")))
+    if token and len(token.strip()) < MIN_TOKEN_CHARS:
+        raise ConfigError(f"{key}: must be at least {MIN_TOKEN_CHARS} characters (the queue "
+                          f"server's rule; e.g. python -c 'import secrets; "
+                          f"print(secrets.token_urlsafe(24))'), got {len(token.strip())}")
 
 
 # config.json model_type values satjax loads (satjax.model.hf_io.from_pretrained)
@@ -228,28 +267,136 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 def changed_keys(old: Config, new: Config) -> list[str]:
     """Dotted keys whose values differ between two configs."""
     a, b = _flat(old.to_dict()), _flat(new.to_dict())
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    changed = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    # an empty mapping given keys is named by its new keys alone
+    return sorted(k for k in changed if not any(c.startswith(k + ".") for c in changed))
+
+
+def _resume_unsafe(keys: list[str]) -> list[str]:
+    # run_dir is where the run is, not what it is: a moved run resumes from its new place
+    return [k for k in keys if k != "run_dir" and not k.startswith(RESUME_SAFE_KEYS)]
+
+
+def edited_keys(dirs: RunDirs, saved: Config) -> list[str] | None:
+    """The keys of the run's ``config.yaml`` (loaded: ``saved``) that differ from what the
+    run wrote: ``[]`` when its digest is the recorded one (or the run recorded none), the
+    keys that differ from ``weights/run_config.yaml`` when that copy is the recorded one,
+    None when neither is (both edited)."""
+    try:
+        recorded = dirs.config_digest.read_text().strip()
+    except FileNotFoundError:  # a run of a satjax that recorded no digest
+        return []
+    if config_digest(saved) == recorded:
+        return []
+    try:
+        original = load_config(dirs.weights_config)
+    except ConfigError:
+        return None
+    if config_digest(original) != recorded:
+        return None
+    return [k for k in changed_keys(original, saved) if k != "run_dir"]
 
 
 def resume_config(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: Config) -> Config:
     """The config a ``--resume`` continues with: the run's saved config, with ``--set`` (or
-    a ``--config`` that agrees with it) changing only :data:`RESUME_SAFE_KEYS`."""
+    a ``--config`` that agrees with it) changing only :data:`RESUME_SAFE_KEYS`. A
+    ``config.yaml`` edited by hand since the run wrote it (its digest, ``config.sha256``,
+    differs) is refused the same way, naming the keys; ``run_dir`` is the one given, so a
+    moved run (or one named by another relative path) resumes where it now is."""
     dirs = RunDirs(cfg.run_dir)
     if not dirs.config.exists():
         fail(p, f"run_dir {cfg.run_dir!r}: no run to resume (no {dirs.config.name}); "
                 "start one without --resume, or set run_dir to the run's directory")
     try:
         saved = load_config(dirs.config)
+        edited = edited_keys(dirs, saved)
+    except ConfigError as e:
+        fail(p, str(e))
+    safe = f"resume changes only {', '.join(RESUME_SAFE_KEYS)}*"
+    if edited is None:
+        fail(p, f"{dirs.config}: changed since the run wrote it (its digest is not the one "
+                f"in {dirs.config_digest.name}, and {dirs.weights_config} differs too); "
+                "restore the run's config, or start a new run in another run_dir")
+    if _resume_unsafe(edited):
+        fail(p, f"{dirs.config}: edited since the run wrote it: config key(s) "
+                f"{', '.join(repr(k) for k in _resume_unsafe(edited))} changed (the run's "
+                f"values are in {dirs.weights_config}); restore them, or start a new run "
+                f"in another run_dir; {safe}")
+    try:
         wanted = cfg if args.config else load_config(dirs.config, args.overrides)
+        wanted = dataclasses.replace(wanted, run_dir=cfg.run_dir)
         check_resources(wanted)
     except ConfigError as e:
         fail(p, str(e))
-    unsafe = [k for k in changed_keys(saved, wanted) if not k.startswith(RESUME_SAFE_KEYS)]
+    unsafe = _resume_unsafe(changed_keys(saved, wanted))
     if unsafe:
         fail(p, f"config key(s) {', '.join(repr(k) for k in unsafe)}: must not change on "
                 f"--resume (the run was started with other values; see {dirs.config}); "
-                f"resume changes only {', '.join(RESUME_SAFE_KEYS)}*")
+                f"{safe}")
     return wanted
+
+
+class ExitOnInterrupt:
+    """While entered, Ctrl-C ends ``satjax train`` at once: ``line()`` on stderr, exit code
+    130 (unless SIGINT is ignored, as in a shell's background job). For start-up (imports,
+    warm-up, compiles, the queue and the workers) and the last moments of shutdown; the RL
+    loop's own handler (``satjax.app.run._StopOnInterrupt``: finish the step, checkpoint)
+    turns this off while steps run.
+
+    A Python signal handler runs only once the main thread is back in the interpreter, which
+    an XLA compile holds off for as long as it takes, and a KeyboardInterrupt raised into
+    JAX, gRPC or Orbax while their threads run can hang the process or crash it at exit
+    (exit 139). So the C-level handler's wakeup byte (:func:`signal.set_wakeup_fd`) is read
+    by a thread that prints the line and leaves with ``os._exit``: no unwinding, no
+    finalizers. Nothing is lost: before the first RL step nothing is trained or
+    acknowledged, the config and the warm-up are written atomically (a half-written publish
+    stays in a staging directory readers ignore), the children get SIGTERM from the kernel
+    when their parent goes (``satjax.app.launch``) and the run directory's lock goes with
+    the process.
+    """
+
+    def __init__(self, line: Callable[[], str]) -> None:
+        self.line = line
+        self._r = self._w = -1
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # `nohup satjax train &`
+            return
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)  # set_wakeup_fd needs a non-blocking descriptor
+        # a handler that raises nothing: the watcher thread acts
+        self._old_handler = signal.signal(signal.SIGINT, lambda *_: None)
+        self._old_fd = signal.set_wakeup_fd(self._w)
+        threading.Thread(target=self._watch, name="exit-on-interrupt", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._r, 64)
+            except OSError:  # closed by close()
+                return
+            if not data:
+                return
+            if signal.SIGINT in data:
+                try:
+                    text = self.line()
+                except Exception as e:  # the line is best effort; the exit is not
+                    text = f"satjax train: interrupted ({e!r})"
+                os.write(sys.stderr.fileno(), f"\n{text}\n".encode())
+                os._exit(EXIT_INTERRUPTED)
+
+    def close(self) -> None:
+        """Ctrl-C raises KeyboardInterrupt again."""
+        if self._w < 0:
+            return
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGINT, self._old_handler)
+        os.close(self._w)  # the watcher reads EOF and ends
+        os.close(self._r)
+
+    def __enter__(self) -> ExitOnInterrupt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def continue_command(run_dir: str) -> str:
@@ -276,6 +423,18 @@ def train(argv: list[str]) -> int:
     g.add_argument("--distributed", action="store_true",
                    help="let JAX detect the cluster (TPU VM slices, SLURM, Open MPI)")
     args = p.parse_args(argv)
+    run_dir: list[str] = []  # known once the config is loaded
+
+    def interrupted() -> str:
+        where = f"{_checkpoint_note(RunDirs(run_dir[0]))}; {next_step(run_dir[0], None)}" \
+            if run_dir else "nothing started yet"
+        return f"satjax train: interrupted outside the RL steps (starting or stopping); {where}"
+
+    with ExitOnInterrupt(interrupted):
+        return _train(p, args, run_dir)
+
+
+def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[str]) -> int:
     from satjax import parallel
 
     try:  # before anything touches a device: the mesh check counts the global devices
@@ -287,20 +446,27 @@ def train(argv: list[str]) -> int:
     dirs = RunDirs(cfg.run_dir)
     if args.resume:
         cfg = resume_config(p, args, cfg)
+    try:
+        check_token(cfg)
+    except ConfigError as e:
+        fail(p, str(e))
+    run_dir.append(cfg.run_dir)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    from satjax.app.run import run_train
+    from satjax.app.run import QueueUnreachableError, run_train
 
-    cont = f"continue with: {continue_command(cfg.run_dir)}"
     try:
         outcome = run_train(cfg, resume=args.resume, progress=not args.no_progress,
                             log_every=args.log_every)
-    except (FileExistsError, ConfigError) as e:  # a run's directory, the data (read first)
+    except (FileExistsError, ConfigError, RunDirError) as e:  # the run directory, the data
         fail(p, str(e))
-    except KeyboardInterrupt:  # before the RL loop's own handler (warm-up, start-up)
-        print(f"satjax train: interrupted before the first RL step of this start; "
-              f"{_checkpoint_note(dirs)}; {cont}", file=sys.stderr)
+    except QueueUnreachableError as e:
+        print(f"satjax train: error: {e}; {next_step(cfg.run_dir, e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during the RL loop's final checkpoint
+        print(f"satjax train: interrupted; {_checkpoint_note(dirs)}; "
+              f"{next_step(cfg.run_dir, None)}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
         import jax
 
@@ -308,35 +474,60 @@ def train(argv: list[str]) -> int:
             # No more collectives (the peers wait in one this process left; reading the
             # checkpoint list through Orbax is one too), and no normal exit: it runs
             # jax.distributed's shutdown barrier. Ending here lets their heartbeat stop them.
-            print(f"satjax train: failed in process {jax.process_index()}; {cont} (on "
-                  "every process)", file=sys.stderr, flush=True)
+            print(f"satjax train: failed in process {jax.process_index()}; continue with: "
+                  f"{continue_command(cfg.run_dir)} (on every process, once a checkpoint "
+                  "exists)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
-        note = _checkpoint_note(dirs)
-        # with nothing checkpointed, --resume would fail the same way: fix and start again
-        advice = cont if dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()) else \
-            "fix the error above and start the run again (there is nothing to resume)"
-        print(f"satjax train: failed; {note}; {advice}", file=sys.stderr)
+        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {next_step(cfg.run_dir, e)}",
+              file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:
         print(json.dumps({k: outcome.last[k] for k in keys if k in outcome.last}))
     where = f"run directory: {cfg.run_dir} (metrics: {dirs.metrics})"
     if outcome.interrupted:
-        print(f"stopped at step {outcome.step} of {outcome.total} (checkpointed); {where}; "
-              f"{cont}")
+        saved = "(checkpointed)" if outcome.step else "(nothing checkpointed yet)"
+        print(f"stopped at step {outcome.step} of {outcome.total} {saved}; {where}; "
+              f"{next_step(cfg.run_dir, None)}")
         return EXIT_INTERRUPTED
     print(f"finished step {outcome.step} of {outcome.total}; {where}")
     return 0
 
 
-def _checkpoint_note(dirs: RunDirs) -> str:
-    from satjax.train.checkpoint import Checkpointer
+# OSError causes outside the run that --resume cannot fix until someone does: permissions,
+# a read-only or full file system
+ENVIRONMENT_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
-    if not (dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir())):
-        return "no checkpoint yet"
-    step = Checkpointer(dirs.checkpoints).latest_step()
-    return f"the last checkpoint is step {step}"
+
+def next_step(run_dir: str, error: BaseException | None) -> str:
+    """What to do after a start of ``satjax train`` that ended early (``error``: why; None:
+    interrupted). ``--resume`` is suggested only where it can help: the run has a
+    checkpoint to continue from (without one, starting again is the same and simpler), and
+    after the cause is fixed when the cause is outside the run (a permission, a full or
+    read-only disk, a queue that does not answer): the same start would fail the same way."""
+    from satjax.app.run import QueueUnreachableError
+
+    fix = ""
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+        fix = f"fix the cause ({error.strerror}: {error.filename or 'see above'}), then "
+    elif isinstance(error, QueueUnreachableError):
+        fix = "start the queue (or set queue.address to where it runs), then "
+    dirs = RunDirs(run_dir)
+    if dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
+        return f"{fix}continue with: {continue_command(run_dir)}"
+    if error is None:
+        return "nothing to resume yet: run the same command again to start over"
+    return fix + ("start the run again" if fix else
+                  "fix the error above and start the run again") + " (there is nothing to resume)"
+
+
+def _checkpoint_note(dirs: RunDirs) -> str:
+    # from the directory names (an Orbax step directory is named by its step; one being
+    # written is not): no Orbax manager, which a signal's thread must not start
+    steps = [int(d.name) for d in dirs.checkpoints.iterdir() if d.name.isdigit()] \
+        if dirs.checkpoints.is_dir() else []
+    return f"the last checkpoint is step {max(steps)}" if steps else "no checkpoint yet"
 
 
 def sft(argv: list[str]) -> int:

@@ -40,12 +40,12 @@ from tqdm import tqdm
 
 from satjax.app.evaluate import eval_during_training
 from satjax.app.launch import ProcessGroup, new_token
-from satjax.config import Config, dump_config, train_buckets
+from satjax.config import Config, config_digest, dump_config, train_buckets
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.prompts import PromptFormat
 from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
 from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
-from satjax.run_dir import RunDirs
+from satjax.run_dir import RunDirs, RunLock
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft, warmup_enabled
 from satjax.train.trainer import Trainer
@@ -189,10 +189,28 @@ QUEUE_DATA_DIR_HELD = 1
 QUEUE_START_TIMEOUT_S = 60.0
 
 
+class QueueUnreachableError(RuntimeError):
+    """``queue.address`` did not answer within ``queue.ready_timeout_s`` (one-line message)."""
+
+
 def public_config(cfg: Config) -> Config:
     """``cfg`` as written to ``run_dir/config.yaml``: without the queue token (children get
     it from ``SATJAX_QUEUE_TOKEN`` in their environment, never from a file)."""
     return dataclasses.replace(cfg, queue=dataclasses.replace(cfg.queue, token=""))
+
+
+def write_run_config(dirs: RunDirs, cfg: Config) -> None:
+    """The run's config files, each replaced atomically: ``config.yaml`` (the workers build
+    their pieces from it and ``--resume`` reloads it), its digest (``--resume`` refuses a
+    hand-edited one: :func:`satjax.config.config_digest`) and ``weights/run_config.yaml``
+    (all a worker on another host reads)."""
+    public = public_config(cfg)
+    text = dump_config(public)
+    dirs.root.mkdir(parents=True, exist_ok=True)
+    atomic_write(dirs.config, text)
+    atomic_write(dirs.config_digest, config_digest(public) + "\n")
+    dirs.weights.mkdir(parents=True, exist_ok=True)
+    atomic_write(dirs.weights_config, text)
 
 
 def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
@@ -242,9 +260,13 @@ class _StopOnInterrupt:
         self.grace_s = grace_s
         self.checkpointed = threading.Event()  # set once the final checkpoint is durable
         self._old: dict[int, Any] = {}
+        self._old_wakeup_fd = -1
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+            # while steps run, Ctrl-C is this handler's alone (not an exit-at-once watcher's
+            # reading the wakeup fd: satjax.app.commands.ExitOnInterrupt)
+            self._old_wakeup_fd = signal.set_wakeup_fd(-1)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested and signum == signal.SIGINT:
@@ -264,6 +286,8 @@ class _StopOnInterrupt:
     def restore(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        if self._old:
+            signal.set_wakeup_fd(self._old_wakeup_fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,62 +307,115 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     status line per that many steps.
 
     In a multi-process run (``parallel.init_distributed`` called first) every process
-    calls it: process 0 alone writes the run directory's files, runs the queue and the
-    workers, consumes and acknowledges batches, logs metrics and shows progress; every
-    process trains on the batch process 0 read (``satjax.app.multihost``), checkpoints
-    cooperatively and takes part in publishing.
+    calls it: process 0 alone holds the run directory's lock (:class:`RunLock`: a second
+    start or ``--resume`` of a running run is refused with :class:`RunDirError`),
+    writes its files, runs the queue and the workers, consumes and acknowledges batches,
+    logs metrics and shows progress; every process trains on the batch process 0 read
+    (``satjax.app.multihost``), checkpoints cooperatively and takes part in publishing.
+
+    Four phases: :func:`start_trainer` (the warm start), :func:`start_services` (queue,
+    first publish, workers), :func:`batch_source` and the :class:`TrainLoop`, whose
+    :meth:`~TrainLoop.finish` checkpoints what was trained and stops the children.
     """
-    from satjax.app.batch_source import BatchSource  # imported late: grpc is heavy
     from satjax.app.multihost import Peers
-    from satjax.queue.client import (
-        QueueClient,
-        QueueUnavailableError,
-    )
 
     peers = Peers()
-    primary = peers.primary
-    say = status if primary else (lambda message: None)
     dirs = RunDirs(cfg.run_dir)
-    if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
-        # checked here too (the Trainer does) so that this run's config.yaml is never
-        # written over the one of the run that is there
-        raise FileExistsError(f"run_dir {cfg.run_dir!r}: already has checkpoints; pass "
-                              "--resume to continue it or choose another run_dir")
-    if primary:
-        dirs.root.mkdir(parents=True, exist_ok=True)
-        # written first: the workers build their pieces from it and --resume reloads it
-        dirs.config.write_text(dump_config(public_config(cfg)))
-        # and next to the weights, whole (atomic): all a worker on another host reads
-        dirs.weights.mkdir(parents=True, exist_ok=True)
-        atomic_write(dirs.weights_config, dump_config(public_config(cfg)))
+    with contextlib.ExitStack() as stack:
+        if peers.primary:  # before anything in the run directory is read or written
+            stack.enter_context(RunLock(dirs.root))
+        if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
+            # checked here too (the Trainer does) so that this run's config.yaml is never
+            # written over the one of the run that is there
+            raise FileExistsError(f"run_dir {cfg.run_dir!r}: already has checkpoints; pass "
+                                  "--resume to continue it or choose another run_dir")
+        if peers.primary:
+            write_run_config(dirs, cfg)
+        trainer, task, tokenizer = start_trainer(cfg, peers, resume=resume,
+                                                 progress=progress, log_every=log_every)
+        services = start_services(cfg, trainer, peers, stack)
+        source = batch_source(cfg, trainer, peers, services, resume=resume)
+        # closed after the final checkpoint, before the queue stops (the stack closes in
+        # reverse): a batch fetched but not trained on stays unacknowledged and is
+        # delivered again
+        stack.callback(source.close)
+        loop = TrainLoop(cfg, trainer, peers, services, task, tokenizer, progress=progress,
+                         log_every=log_every)
+        try:
+            loop.run(source)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
+            log.warning("interrupted: stopping after step %d", loop.logged_step)
+        except BaseException:
+            # the peers wait in a collective this process will never join, and a final
+            # save is collective too: it would hang; the caller ends this process, and
+            # jax.distributed's heartbeat then stops the peers
+            loop.abandon = peers.count > 1
+            raise
+        finally:
+            outcome = loop.finish()
+    return outcome
+
+
+def start_trainer(cfg: Config, peers, *, resume: bool, progress: bool, log_every: int):
+    """The warm start: the tokenizer, the task and the :class:`Trainer` on the policy RL
+    starts from (:func:`warm_start`; a non-primary process waits for process 0's), restored
+    from the run's latest checkpoint on ``resume``. Returns ``(trainer, task, tokenizer)``."""
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg, tokenizer)
-    if not primary:  # process 0 makes (or finds) the warm-up; the others load it
+    if not peers.primary:  # process 0 makes (or finds) the warm-up; the others load it
         wait_for_warm_start(cfg)
     reference = (from_pretrained(cfg.model.ref_path, **model_options(cfg))
                  if cfg.objective.kl_coef > 0 and cfg.model.ref_path else None)
-    trainer = Trainer(cfg, warm_start(cfg, tokenizer, task, progress=progress and primary,
-                                      log_every=log_every), tokenizer, resume=resume,
-                      reference=reference)
-    if trainer.step:
-        say(f"resumed from the checkpoint at step {trainer.step}")
+    policy = warm_start(cfg, tokenizer, task, progress=progress and peers.primary,
+                        log_every=log_every)
+    trainer = Trainer(cfg, policy, tokenizer, resume=resume, reference=reference)
+    if trainer.step and peers.primary:
+        status(f"resumed from the checkpoint at step {trainer.step}")
+    return trainer, task, tokenizer
+
+
+@dataclasses.dataclass
+class Services:
+    """What runs beside the trainer: the child processes (empty on a non-primary
+    process), and on the primary the queue's address and a client of it."""
+
+    procs: ProcessGroup
+    address: str
+    client: Any  # QueueClient on the primary, else None
+    publish_s: float  # how long the first publish took (the first step's time/publish_s)
+
+
+def start_services(cfg: Config, trainer: Trainer, peers, stack: contextlib.ExitStack
+                   ) -> Services:
+    """Process 0 starts the queue server (or waits up to ``queue.ready_timeout_s`` for
+    ``queue.address``, saying so, then raises :class:`QueueUnreachableError`); every
+    process publishes the starting weights; process 0 then starts the rollout workers.
+    The children are stopped when ``stack`` closes."""
+    from satjax.queue.client import QueueClient, QueueUnavailableError
+
+    dirs = RunDirs(cfg.run_dir)
+    procs = stack.enter_context(ProcessGroup())
     token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()
     env = {"SATJAX_QUEUE_TOKEN": token}
-    n_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    last: dict[str, Any] = {}
-    interrupted = False
-    resume_step = trainer.step if resume else None  # re-run steps replace their old lines
-    with contextlib.ExitStack() as stack:
-        procs = stack.enter_context(ProcessGroup())
-        mlog = stack.enter_context(MetricsLogger(dirs.logs, resume_step=resume_step)) \
-            if primary else None
-        address = cfg.queue.address or f"127.0.0.1:{free_port()}"
+    address = cfg.queue.address or f"127.0.0.1:{free_port()}"
+    client = None
+    if peers.primary:
         # routes as the wire's uint8/uint16 views: make_batch widens them once, into the
         # batch; decoded to int32 they would take 4x the bytes, twice with one prefetched
-        client = QueueClient(address, token=token, compact_routes=True) if primary else None
-        if primary:
-            assert client is not None
-
+        client = QueueClient(address, token=token, compact_routes=True)
+        stack.callback(client.close)
+        if cfg.queue.address:
+            wait = cfg.queue.ready_timeout_s
+            status(f"waiting for the queue at {address} (up to {wait:g}s: "
+                   "queue.ready_timeout_s)")
+            try:
+                client.wait_ready(timeout=wait)
+            except QueueUnavailableError:
+                raise QueueUnreachableError(
+                    f"queue.address {address!r}: no queue answered within {wait:g}s (is "
+                    "`satjax serve-queue` running there, and reachable from here? "
+                    "queue.ready_timeout_s waits longer)") from None
+        else:
             def queue_ready() -> bool:
                 try:
                     client.wait_ready(timeout=1.0)
@@ -346,139 +423,179 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 except QueueUnavailableError:
                     return False
 
-            if cfg.queue.address:
-                client.wait_ready(timeout=QUEUE_START_TIMEOUT_S)
-            else:
-                status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
-                procs.start_until_ready(
-                    "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
-                              cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
-                              "--max-lag-default", str(cfg.train.max_lag),
-                              *queue_limit_flags(cfg, trainer.model_config)],
-                    log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
-                    timeout=QUEUE_START_TIMEOUT_S, retry_codes=(QUEUE_DATA_DIR_HELD,))
-        say(f"publishing weights v{trainer.policy_version}")
-        t0 = time.perf_counter()
-        trainer.publish()
+            status(f"starting the queue server on {address} (log: {dirs.process_log('queue')})")
+            procs.start_until_ready(
+                "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
+                          cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
+                          "--max-lag-default", str(cfg.train.max_lag),
+                          *queue_limit_flags(cfg, trainer.model_config)],
+                log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
+                timeout=max(QUEUE_START_TIMEOUT_S, cfg.queue.ready_timeout_s),
+                retry_codes=(QUEUE_DATA_DIR_HELD,))
+    if peers.primary:
+        status(f"publishing weights v{trainer.policy_version}")
+    t0 = time.perf_counter()
+    trainer.publish()
+    publish_s = time.perf_counter() - t0
+    if peers.primary:
+        status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
+               f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers
+               else f"no local workers: `satjax rollout --queue {address} --weights "
+                    f"{dirs.weights}`")
+        for i in range(cfg.rollout.num_workers):
+            procs.start(f"worker{i}", ["rollout", "--queue", address, "--weights",
+                                       str(dirs.weights), "--worker-id", str(i),
+                                       "--log-dir", str(dirs.vllm_logs(str(i)))],
+                        log_file=dirs.process_log(f"worker{i}"), env=env)
+    return Services(procs=procs, address=address, client=client, publish_s=publish_s)
+
+
+def batch_source(cfg: Config, trainer: Trainer, peers, services: Services, *, resume: bool):
+    """The :class:`~satjax.app.batch_source.BatchSource` the loop trains from: batches of
+    ``prompts_per_step * group_size`` trajectories at most ``trainer.lag_limit`` versions
+    stale, fetched one step ahead. On ``resume`` it takes the queue over from a dead
+    predecessor, whose unacknowledged batches (what the lost steps had consumed) come first.
+    """
+    from satjax.app.batch_source import BatchSource  # imported late: grpc is heavy
+
+    return BatchSource(peers, services.client,
+                       rows=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                       max_lag=trainer.lag_limit, prepare=trainer.prepare,
+                       num_experts=trainer.model_config.num_experts, take_over=resume,
+                       group_size=cfg.rollout.group_size, on_poll=services.procs.check_alive,
+                       drop_uniform_groups=cfg.train.drop_uniform_groups,
+                       max_fetches=cfg.train.max_fetches)
+
+
+class TrainLoop:
+    """The RL steps (:meth:`run`) and the finish step (:meth:`finish`).
+
+    Each step: the batch (:meth:`BatchSource.next`), the next one's prefetch, the jitted
+    update, the metrics record, the publish, and a checkpoint when due, after which the
+    batches it holds are acknowledged. The first Ctrl-C or SIGTERM lets the step in flight
+    finish, then stops (:class:`_StopOnInterrupt`).
+    """
+
+    def __init__(self, cfg: Config, trainer: Trainer, peers, services: Services, task,
+                 tokenizer, *, progress: bool, log_every: int) -> None:
+        self.cfg, self.trainer, self.peers, self.services = cfg, trainer, peers, services
+        self.task, self.tokenizer = task, tokenizer
+        self.client = services.client
+        self.last: dict[str, Any] = {}
+        self.logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
+        self.unacked = PendingAcks()
+        self.abandon = False  # set when a multi-process run fails: no more collectives
         # each record times the loop since the previous one: the previous step's publish
         # and checkpoint (they follow its record), the wait for this step's batch, the step
-        tail = {"time/publish_s": time.perf_counter() - t0, "time/checkpoint_s": 0.0}
-        if primary:
-            status(f"starting {cfg.rollout.num_workers} rollout worker(s) "
-                   f"(logs: {dirs.process_log('worker0')}, ...)" if cfg.rollout.num_workers
-                   else f"no local workers: `satjax rollout --queue {address} --weights "
-                        f"{dirs.weights}`")
-            for i in range(cfg.rollout.num_workers):
-                procs.start(f"worker{i}", ["rollout", "--queue", address, "--weights",
-                                           str(dirs.weights), "--worker-id", str(i),
-                                           "--log-dir", str(dirs.vllm_logs(str(i)))],
-                            log_file=dirs.process_log(f"worker{i}"), env=env)
-        bar = Progress("rl", cfg.train.steps, initial=trainer.step, enabled=progress,
-                       log_every=log_every) if primary else None
-        t_last = time.time()
-        logged_step = trainer.step  # the newest step whose metrics are in metrics.jsonl
-        unacked = PendingAcks()
-        stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
-        abandon = False  # set when a multi-process run fails here: no more collectives
-        # after a restart, its first GetBatch re-reads what the lost steps had consumed
-        source = BatchSource(peers, client, rows=n_rows, max_lag=trainer.lag_limit,
-                             prepare=trainer.prepare,
-                             num_experts=trainer.model_config.num_experts, take_over=resume,
-                             group_size=cfg.rollout.group_size, on_poll=procs.check_alive,
-                             drop_uniform_groups=cfg.train.drop_uniform_groups,
-                             max_fetches=cfg.train.max_fetches)
+        self.tail = {"time/publish_s": services.publish_s, "time/checkpoint_s": 0.0}
+        self.mlog = self.bar = None
+        if peers.primary:
+            # records after the step this start trains from (a resume's re-run steps, a
+            # fresh start's predecessor that crashed before its first checkpoint) go
+            self.mlog = MetricsLogger(RunDirs(cfg.run_dir).logs, resume_step=trainer.step)
+            self.bar = Progress("rl", cfg.train.steps, initial=trainer.step, enabled=progress,
+                                log_every=log_every)
+        self.stop = _StopOnInterrupt(cfg.train.preempt_grace_s)
 
+    def say(self, message: str) -> None:
+        if self.peers.primary:
+            status(message)
+
+    def run(self, source) -> None:
+        """Trains until ``train.steps`` or a stop request."""
+        trainer, cfg = self.trainer, self.cfg
+        t_last = time.time()
+        while trainer.step < cfg.train.steps:
+            if not self.last:
+                self.say("waiting for the first rollouts (workers load the model and "
+                         "compile the sampler)")
+            t0 = time.perf_counter()
+            delivered = source.next(trainer.policy_version, lambda: self.stop.requested)
+            if delivered is None:
+                break
+            wait_s = time.perf_counter() - t0
+            if trainer.step + 1 < cfg.train.steps:
+                # fetched while this step runs, for the version this step makes: the
+                # queue's stale drops and lags are those of the step that trains it
+                source.prefetch(trainer.policy_version + 1)
+            if not self.last:
+                self.say("compiling the train step (the first step; later ones are fast)")
+            t0 = time.perf_counter()
+            metrics = trainer.train_on(delivered.trajectories, delivered.batch)
+            source.max_lag = trainer.lag_limit  # train.mismatch_target's decision
+            metrics.update({"time/wait_data_s": wait_s,
+                            "time/step_s": time.perf_counter() - t0, **self.tail})
+            metrics.update(eval_during_training(cfg, trainer.step, trainer.train_state().model,
+                                                self.task, self.tokenizer))
+            self.last = metrics
+            if self.mlog is not None:
+                assert delivered.reply is not None
+                self.unacked.add(delivered.reply.cursor)
+                trainer.queue_cursor = max(self.unacked.cursors)
+                now = time.time()
+                metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
+                if cfg.train.drop_uniform_groups:
+                    metrics["dropped_uniform_groups"] = float(delivered.dropped_uniform_groups)
+                    metrics["queue/fetches"] = float(delivered.fetches)
+                metrics["trajectories_per_s"] = (len(delivered.trajectories)
+                                                 / max(now - t_last, 1e-9))
+                t_last = now
+                # logged before publishing and checkpointing, so that a checkpoint (also
+                # the one a second Ctrl-C forces) never holds a step missing from
+                # metrics.jsonl
+                self.last = self.mlog.log(trainer.step, metrics)
+                self.mlog.flush()
+            self.logged_step = trainer.step
+            # also when stopping: the write runs in the background, next to the
+            # checkpoint, and leaves the published weights at the checkpointed step
+            t0 = time.perf_counter()
+            trainer.publish()
+            t1 = time.perf_counter()
+            if trainer.save():
+                trainer.ckpt.wait()
+                self._ack()
+            self.tail = {"time/publish_s": t1 - t0,
+                         "time/checkpoint_s": time.perf_counter() - t1}
+            if self.bar is not None:
+                self.bar.update(step_postfix(metrics))
+
+    def _ack(self) -> None:
+        if self.client is not None:
+            self.unacked.ack(self.client)
+
+    def finish(self) -> RunOutcome:
+        """Checkpoints the last step trained (unless a failed multi-process run abandons
+        it), acknowledges what that checkpoint holds and closes the metrics log; the
+        caller's stack then ends the fetch in flight and stops the children (workers
+        first)."""
+        trainer, cfg = self.trainer, self.cfg
+        interrupted = self.stop.requested or self.logged_step < cfg.train.steps
+        if self.bar is not None:
+            self.bar.close()
+        checkpointed = 0
         try:
-            while trainer.step < cfg.train.steps:
-                if not last:
-                    say("waiting for the first rollouts (workers load the model and "
-                        "compile the sampler)")
-                t0 = time.perf_counter()
-                delivered = source.next(trainer.policy_version, lambda: stop.requested)
-                if delivered is None:
-                    break
-                wait_s = time.perf_counter() - t0
-                if trainer.step + 1 < cfg.train.steps:
-                    # fetched while this step runs, for the version this step makes: the
-                    # queue's stale drops and lags are those of the step that trains it
-                    source.prefetch(trainer.policy_version + 1)
-                if not last:
-                    say("compiling the train step (the first step; later ones are fast)")
-                t0 = time.perf_counter()
-                metrics = trainer.train_on(delivered.trajectories, delivered.batch)
-                source.max_lag = trainer.lag_limit  # train.mismatch_target's decision
-                metrics.update({"time/wait_data_s": wait_s,
-                                "time/step_s": time.perf_counter() - t0, **tail})
-                metrics.update(eval_during_training(cfg, trainer.step,
-                                                    trainer.train_state().model, task, tokenizer))
-                last = metrics
-                if primary:
-                    assert mlog is not None and delivered.reply is not None
-                    unacked.add(delivered.reply.cursor)
-                    trainer.queue_cursor = max(unacked.cursors)
-                    now = time.time()
-                    metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
-                    if cfg.train.drop_uniform_groups:
-                        metrics["dropped_uniform_groups"] = float(
-                            delivered.dropped_uniform_groups)
-                        metrics["queue/fetches"] = float(delivered.fetches)
-                    metrics["trajectories_per_s"] = (len(delivered.trajectories)
-                                                     / max(now - t_last, 1e-9))
-                    t_last = now
-                    # logged before publishing and checkpointing, so that a checkpoint (also
-                    # the one a second Ctrl-C forces) never holds a step missing from
-                    # metrics.jsonl
-                    last = mlog.log(trainer.step, metrics)
-                    mlog.flush()
-                logged_step = trainer.step
-                # also when stopping: the write runs in the background, next to the
-                # checkpoint, and leaves the published weights at the checkpointed step
-                t0 = time.perf_counter()
-                trainer.publish()
-                t1 = time.perf_counter()
-                if trainer.save():
-                    trainer.ckpt.wait()
-                    if primary:
-                        unacked.ack(client)
-                tail = {"time/publish_s": t1 - t0,
-                        "time/checkpoint_s": time.perf_counter() - t1}
-                if bar is not None:
-                    bar.update(step_postfix(metrics))
-        except KeyboardInterrupt:  # a second Ctrl-C: stop now, still checkpoint
-            log.warning("interrupted: stopping after step %d", logged_step)
-        except BaseException:
-            # the peers wait in a collective this process will never join, and a final
-            # save is collective too: it would hang; the caller ends this process, and
-            # jax.distributed's heartbeat then stops the peers
-            abandon = peers.count > 1
-            raise
-        finally:
-            interrupted = stop.requested or logged_step < cfg.train.steps
-            stop.restore()
-            if bar is not None:
-                bar.close()
-            if not abandon:
+            if not self.abandon:
                 # A step interrupted between its update and its metrics is not checkpointed
                 # (the queue re-delivers its trajectories on resume).
-                if logged_step > 0 and trainer.ckpt.latest_step() != logged_step \
-                        and trainer.step == logged_step:
-                    say(f"saving a checkpoint at step {logged_step}")
+                if self.logged_step > 0 and trainer.ckpt.latest_step() != self.logged_step \
+                        and trainer.step == self.logged_step:
+                    self.say(f"saving a checkpoint at step {self.logged_step}")
                     trainer.save(force=True)
                     trainer.ckpt.wait()
                     try:
-                        if primary:
-                            unacked.ack(client)
+                        self._ack()
                     except Exception as e:  # the checkpoint is safe; a re-read is the worst case
                         log.error("final queue ack failed: %s", e)
                 checkpointed = trainer.ckpt.latest_step() or 0
-                stop.checkpointed.set()
+                self.stop.checkpointed.set()
                 trainer.close()  # also waits for the last publish (raises its error)
-            # after the final checkpoint, before the queue stops: a batch fetched but not
-            # trained on stays unacknowledged, so the queue delivers it again
-            source.close()
-            procs.close()  # workers first (reverse start order), then the queue
-    return RunOutcome(step=checkpointed, total=cfg.train.steps, last=last,
-                      interrupted=interrupted)
+        finally:
+            # after the final checkpoint: a Ctrl-C during it is a second Ctrl-C (stop now)
+            self.stop.restore()
+            if self.mlog is not None:
+                self.mlog.close()
+        return RunOutcome(step=checkpointed, total=cfg.train.steps, last=self.last,
+                          interrupted=interrupted)
 
 
 def step_postfix(metrics: dict[str, Any]) -> dict[str, str]:

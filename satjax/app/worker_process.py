@@ -24,12 +24,13 @@ from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.factory import build_task, build_tokenizer, worker_config
 from satjax.rollout.factory import make_engine
-from satjax.rollout.worker import RolloutWorker
+from satjax.rollout.worker import QueueRejectedError, RolloutWorker
 from satjax.run_dir import weights_config
 from satjax.weight_sync import WeightSubscriber
 
 # How long a worker started before the trainer waits for the trainer's run_config.yaml.
 CONFIG_WAIT_S = 600.0
+QUEUE_WAIT_S = 60.0  # and for the queue to answer
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,14 @@ def main(argv: list[str]) -> int:
         p.error(f"{config_path}: {e}")
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg, tokenizer)
-    from satjax.queue.client import QueueClient
+    from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
 
     client = QueueClient(args.queue, token=token)
-    client.wait_ready(timeout=60)
+    try:
+        client.wait_ready(timeout=QUEUE_WAIT_S)
+    except QueueUnavailableError:
+        p.exit(1, f"{p.prog}: error: --queue {args.queue!r}: no queue answered within "
+                  f"{QUEUE_WAIT_S:.0f}s\n")
     wid = str(args.worker_id)
     seed = cfg.seed + 1000 * (1 + (int(wid) if wid.isdigit() else zlib.crc32(wid.encode()) % 997))
     worker = RolloutWorker(
@@ -99,6 +104,12 @@ def main(argv: list[str]) -> int:
         iter(prompt_dataset(task, seed=seed)),
         worker_config(cfg, tokenizer, seed=seed, worker_id=f"w{wid}"),
     )
-    n = worker.run(max_batches=args.max_batches)
+    try:
+        n = worker.run(max_batches=args.max_batches)
+    except (QueueError, QueueRejectedError) as e:
+        # the queue went away (stopped before this worker) or refuses what it makes: one
+        # line saying so, not a traceback
+        log.error("worker %s stopped after %d trajectories: %s", wid, worker.produced, e)
+        return 1
     log.info("worker %s stopped after %d trajectories", wid, n)
     return 0

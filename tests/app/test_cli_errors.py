@@ -1,12 +1,19 @@
 """Every user error of the CLI: exit code 2 and one line naming what is wrong, no traceback,
 before anything slow starts (each case runs a real ``python -m satjax`` in seconds)."""
 
+import errno
+import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from satjax.app.commands import edited_keys, next_step
+from satjax.app.run import write_run_config
 from satjax.config import dump_config, load_config
+from satjax.run_dir import RunDirs, RunLock
 
 TINY = "configs/tiny.yaml"
 
@@ -56,6 +63,19 @@ CASES = [
      "satjax lag-sweep: error: gspo: config key 'objective.hparams.lam'"),
     (["rollout", "--weights", "/nonexistent/run/weights", "--queue", "localhost:1"], 2,
      "satjax rollout: error: set SATJAX_QUEUE_TOKEN"),
+    (["train", "--set", "model.overrides={bogus: 1}"], 2,
+     "satjax train: error: config key 'model.overrides.bogus': must be a field of the model "
+     "config (vocab_size, "),
+    (["train", "--set", "model.overrides={hidden_size: -1}"], 2,
+     "satjax train: error: config key 'model.overrides': hidden_size must be positive, got -1"),
+    (["train", "--set", "queue.token=abcdefghijklm"], 2,
+     "satjax train: error: config key 'queue.token': must be at least 16 characters (the "
+     "queue server's rule;"),
+    (["train", "--set", "queue.ready_timeout_s=0"], 2,
+     "satjax train: error: config key 'queue.ready_timeout_s': must be > 0 seconds, got 0"),
+    # /sys is read-only even for root
+    (["train", "--set", "run_dir=/sys/satjax-run"], 2,
+     "satjax train: error: run_dir '/sys/satjax-run': must be a writable directory, got "),
 ]
 
 
@@ -118,3 +138,137 @@ def test_help_into_a_closed_pipe_is_quiet(satjax_env):
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0
     assert "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_token_from_the_environment_is_checked_too(satjax_cli, satjax_env):
+    satjax_env["SATJAX_QUEUE_TOKEN"] = "short"
+    r = satjax_cli("train")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "satjax train: error: environment variable SATJAX_QUEUE_TOKEN: must be at least 16 "
+        "characters"), r.stderr[-2000:]
+
+
+def test_config_file_that_is_not_utf8_is_one_line(satjax_cli, tmp_path):
+    path = tmp_path / "latin1.yaml"
+    raw = "seed: 3\n# r\u00e9glages\n".encode("latin-1")
+    path.write_bytes(raw)
+    r = satjax_cli("train", "--config", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"satjax train: error: config file '{path}': must be UTF-8 text, got byte 0xe9 at "
+        f"offset {raw.index(0xE9)}"), r.stderr[-2000:]
+
+
+def test_serve_queue_on_a_port_in_use_is_one_line(satjax_cli, satjax_env, tmp_path):
+    satjax_env["SATJAX_QUEUE_TOKEN"] = "a-queue-token-of-24-chars"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = satjax_cli("serve-queue", "--port", str(port), "--data-dir", str(tmp_path / "q"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"serve-queue: could not bind 127.0.0.1:{port}: the port is in use (another server?) "
+        "or the host is not an address of this machine; --port 0 picks a free port")
+
+
+def _written_run(tmp_path, *overrides):
+    """A run directory as ``satjax train`` writes it before its first checkpoint."""
+    run = tmp_path / "run"
+    write_run_config(RunDirs(run), load_config(TINY, [f"run_dir={run}", *overrides]))
+    return run
+
+
+def test_a_running_run_refuses_a_second_start_and_a_resume(satjax_cli, tmp_path):
+    run = _written_run(tmp_path, "task.max_digits=2")
+    dirs = RunDirs(run)
+    dirs.logs.mkdir()
+    dirs.metrics.write_text("".join(f'{{"step": {i}}}\n' for i in range(1, 41)))
+    files = {p: p.read_bytes() for p in (dirs.config, dirs.weights_config, dirs.metrics)}
+    with RunLock(run):  # the running trainer (this process) holds the run
+        # a fresh start that would write its own config over the run's, and a resume
+        for extra in (["--set", "task.max_digits=1"], ["--resume"]):
+            r = satjax_cli("train", "--set", f"run_dir={run}", *extra)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+            assert r.stderr.strip().splitlines()[-1] == (
+                f"satjax train: error: run_dir '{run}': in use by a running satjax train "
+                f"(pid {os.getpid()}, which holds LOCK); stop it first, or choose another "
+                "run_dir")
+    # nothing of the running run was touched: its config, its workers' copy, its metrics
+    assert {p: p.read_bytes() for p in files} == files
+
+
+def test_hand_edited_config_is_refused_on_resume_naming_the_keys(satjax_cli, tmp_path):
+    run = _written_run(tmp_path)
+    dirs = RunDirs(run)
+    text = dirs.config.read_text()
+    dirs.config.write_text(text.replace("overrides: {}", "overrides: {num_experts: 4}")
+                           .replace("max_digits: 1", "max_digits: 2"))
+    r = satjax_cli("train", "--set", f"run_dir={run}", "--resume")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"satjax train: error: {dirs.config}: edited since the run wrote "
+                           "it: config key(s) 'model.overrides.num_experts', "
+                           "'task.max_digits' changed"), last
+
+
+def test_edited_keys_ignore_formatting_and_name_each_change(tmp_path):
+    run = _written_run(tmp_path)
+    dirs = RunDirs(run)
+    text = dirs.config.read_text()
+    assert edited_keys(dirs, load_config(dirs.config)) == []
+    dirs.config.write_text("# my notes\n" + text.replace("  steps: 200", "  steps:    200"))
+    assert edited_keys(dirs, load_config(dirs.config)) == []  # same values
+    dirs.config.write_text(text.replace("  steps: 200", "  steps: 300"))
+    assert edited_keys(dirs, load_config(dirs.config)) == ["train.steps"]
+    # a moved run: run_dir is where the run is, not what it is
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    dirs = RunDirs(moved)
+    dirs.config.write_text(text)
+    assert edited_keys(dirs, load_config(dirs.config)) == []
+    # both copies edited: which keys changed is not known
+    dirs.weights_config.write_text(text.replace("seed: 0", "seed: 5"))
+    dirs.config.write_text(text.replace("seed: 0", "seed: 6"))
+    assert edited_keys(dirs, load_config(dirs.config)) is None
+    # a run recorded without a digest (an older satjax) is not checked
+    dirs.config_digest.unlink()
+    assert edited_keys(dirs, load_config(dirs.config)) == []
+
+
+def test_unreachable_queue_address_waits_then_fails_in_one_line(satjax_cli, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = satjax_cli("train", "--set", f"run_dir={tmp_path / 'run'}", "--set", "sft.steps=0",
+                   "--set", f"queue.address=127.0.0.1:{port}", "--set",
+                   "rollout.num_workers=0", "--set", "queue.ready_timeout_s=3", "--no-progress")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"satjax: waiting for the queue at 127.0.0.1:{port} (up to 3s" in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"satjax train: error: queue.address '127.0.0.1:{port}': no queue answered within 3s "
+        "(is `satjax serve-queue` running there, and reachable from here? "
+        "queue.ready_timeout_s waits longer); start the queue (or set queue.address to where "
+        "it runs), then start the run again (there is nothing to resume)")
+    assert elapsed < 100  # start-up (imports, the model) plus the 3 s, not 60-90 s
+
+
+def test_resume_is_suggested_only_where_it_can_help(tmp_path):
+    run = str(tmp_path / "run")
+    cont = f"continue with: satjax train --set run_dir={run} --resume"
+    full = OSError(errno.ENOSPC, "No space left on device", f"{run}/logs/metrics.jsonl")
+    bug = ValueError("a bug")
+    # nothing checkpointed: starting again is all there is
+    assert next_step(run, bug) == "fix the error above and start the run again (there is " \
+                                  "nothing to resume)"
+    assert next_step(run, full).startswith("fix the cause (No space left on device: ")
+    assert "--resume" not in next_step(run, full) + next_step(run, None)
+    (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+    assert next_step(run, bug) == cont
+    assert next_step(run, None) == cont
+    # a cause outside the run: --resume helps only once it is fixed
+    assert next_step(run, full) == (f"fix the cause (No space left on device: {run}/logs/"
+                                    f"metrics.jsonl), then {cont}")

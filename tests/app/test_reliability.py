@@ -3,6 +3,7 @@ children die with the trainer, a child that dies is reported at once, acks cover
 batch a checkpoint holds, no secret in the run directory. Real processes, loopback only."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,3 +139,91 @@ def test_queue_token_is_not_written_to_config_yaml():
     text = dump_config(public_config(cfg))
     assert TOKEN not in text
     assert public_config(cfg).queue == type(cfg.queue)(**{**vars(cfg.queue), "token": ""})
+
+
+def test_latest_never_names_a_removed_version_when_a_resumed_run_republishes(tmp_path,
+                                                                            monkeypatch):
+    """A run published v0..v3, crashed (kill -9) and resumed from its checkpoint at step 1:
+    its next publish (version 1 again) first discards v1..v3. Every time a version
+    directory is removed, LATEST and TARGET must name a version that is still there."""
+    import jax
+    from flax import nnx
+
+    from satjax import parallel
+    from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from satjax.run_dir import version_dir
+    from satjax.train.publish import ShardedPublisher
+    from satjax.weight_sync import WeightPublisher, WeightSubscriber, published_versions
+
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(num_hidden_layers=2), rngs=nnx.Rngs(0))
+    mesh = parallel.make_mesh(parallel.MeshConfig(data=jax.device_count()))
+    tokens = [1, 5, 9, 2]
+    crashed = ShardedPublisher(WeightPublisher(tmp_path, keep=10), mesh, tokens)
+    for v in range(4):
+        crashed.publish(model, v, target_version=max(0, v - 1))
+        crashed.wait()
+    sub = WeightSubscriber(tmp_path)
+    assert (sub.latest_version(), sub.wanted_version()) == (3, 2)
+
+    removed = []
+    real_rmtree = shutil.rmtree
+
+    def watching_rmtree(path, *args, **kwargs):
+        for pointer in ("LATEST", "TARGET"):
+            named = (tmp_path / pointer).read_text().strip() \
+                if (tmp_path / pointer).exists() else None
+            if named is not None:
+                assert version_dir(tmp_path, int(named)).is_dir(), (pointer, named)
+                assert version_dir(tmp_path, int(named)) != path, (pointer, named, path)
+        removed.append(path)
+        return real_rmtree(path, *args, **kwargs)
+
+    resumed = ShardedPublisher(WeightPublisher(tmp_path, keep=10), mesh, tokens)
+    monkeypatch.setattr(shutil, "rmtree", watching_rmtree)
+    resumed.publish(model, 1, target_version=0)
+    resumed.wait()
+    assert {version_dir(tmp_path, v) for v in (1, 2, 3)} <= set(removed)
+    assert published_versions(tmp_path) == [0, 1]
+    assert (sub.latest_version(), sub.wanted_version()) == (1, 0)
+
+
+def _start_train(tmp_path, *extra):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "satjax", "train", "--no-progress", "--set",
+         f"run_dir={tmp_path / 'run'}", "--set", "train.steps=3",
+         "--set", "rollout.group_size=4", "--set", "rollout.prompts_per_step=2", *extra],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as a terminal's foreground command: SIGINT not ignored (a background job's is)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+@pytest.mark.parametrize("phase, sft_steps", [
+    ("satjax: sft warm-up: compiling the first step", 30),  # inside XLA's compile
+    ("satjax: starting 1 rollout worker(s)", 0),  # the queue and the workers are up
+])
+def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, phase, sft_steps):
+    """Before: 7 of 10 such starts ended in a segfault (scripts/interrupt_startup.py)."""
+    proc = _start_train(tmp_path, "--set", f"sft.steps={sft_steps}")
+    lines = []
+    try:
+        while not any(line.startswith(phase) for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)[-3000:]  # it ended before reaching the phase
+            lines.append(line)
+        children = [int(x) for x in subprocess.run(["pgrep", "-P", str(proc.pid)],
+                                                   capture_output=True, text=True).stdout.split()]
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 10, took  # not after the compile or the queue's readiness wait
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(
+        "satjax train: interrupted outside the RL steps (starting or stopping); no checkpoint "
+        "yet; nothing to resume yet: run the same command again"), err[-3000:]
+    assert _wait_gone(children, timeout=30) == []  # the queue and the worker followed

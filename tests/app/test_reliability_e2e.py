@@ -190,3 +190,69 @@ def test_stop_with_the_next_batch_prefetched_then_resume_trains_the_same_batches
     # state bit for bit; 1e-6: the two processes' XLA CPU reductions)
     np.testing.assert_allclose([r["loss"] for r in runs["stopped"]],
                                [r["loss"] for r in runs["straight"]], rtol=1e-6, atol=1e-7)
+
+
+def _recipe(doc: Path, heading: str) -> str:
+    """The first ```bash block after ``heading`` in ``doc``."""
+    text = doc.read_text()
+    return text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_localhost_recipe_runs_end_to_end(tmp_path):
+    """docs/parallel.md's localhost recipe, as written but for the port, the directory and
+    the run's length: it exits 0, no process logs a traceback, the terminal shows only the
+    trainer's lines and the workers' output is in their files."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    block = _recipe(REPO / "docs/parallel.md", "### Localhost (run here)")
+    assert "--set rollout.num_workers=0\n" in block
+    script = (block.replace("50051", str(port)).replace("runs/remote", str(tmp_path / "remote"))
+              .replace("--set rollout.num_workers=0\n", "--set rollout.num_workers=0 "
+                       "--set train.steps=2 --set sft.steps=2 --no-progress\n"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    env.pop("SATJAX_QUEUE_TOKEN", None)
+    # `satjax` as installed: this checkout's
+    shim = f'satjax() {{ exec {sys.executable} -m satjax "$@"; }}\n'
+    r = subprocess.run(["bash", "-c", shim + script], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=900)
+    logs = tmp_path / "remote" / "logs"
+    texts = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
+    assert r.returncode == 0, (r.stderr[-3000:], {k: v[-2000:] for k, v in texts.items()})
+    assert "finished step 2 of 2" in r.stdout
+    for name, text in texts.items():
+        assert "Traceback" not in text, (name, text[-3000:])
+    assert "Traceback" not in r.stderr
+    assert {"queue.log", "worker0.log", "worker1.log"} <= set(texts)
+    assert all("put group" in texts[f"worker{i}.log"] for i in (0, 1))
+    terminal = (r.stdout + r.stderr).splitlines()
+    assert not [x for x in terminal if "put group" in x or "satjax.rollout" in x], terminal
+    assert len(terminal) < 30, terminal
+
+
+def test_a_moved_run_given_by_a_relative_path_resumes(tmp_path):
+    """A run started with a relative run_dir, then moved, resumes from its new place (given
+    by another relative path): run_dir is where the run is, not what it is."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+
+    def train(run_dir, *extra):
+        return subprocess.run(
+            [sys.executable, "-m", "satjax", "train", "--no-progress", "--set",
+             f"run_dir={run_dir}", *extra], env=env, cwd=tmp_path, capture_output=True,
+            text=True, timeout=600)
+
+    r = train("first", "--set", "train.steps=2", "--set", "sft.steps=2", "--set",
+              "checkpoint.every=2", "--set", "rollout.prompts_per_step=2", "--set",
+              "rollout.group_size=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "first").rename(tmp_path / "moved" / "run")
+    r = train("moved/run", "--resume", "--set", "train.steps=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from the checkpoint at step 2" in r.stderr
+    assert _steps(tmp_path / "moved" / "run") == [1, 2, 3]
+    assert load_config(tmp_path / "moved" / "run" / "config.yaml").run_dir == "moved/run"
