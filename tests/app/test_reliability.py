@@ -190,13 +190,18 @@ def test_latest_never_names_a_removed_version_when_a_resumed_run_republishes(tmp
 def _start_train(tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.Popen(
-        [sys.executable, "-m", "satjax", "train", "--no-progress", "--set",
-         f"run_dir={tmp_path / 'run'}", "--set", "train.steps=3",
-         "--set", "rollout.group_size=4", "--set", "rollout.prompts_per_step=2", *extra],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        # as a terminal's foreground command: SIGINT not ignored (a background job's is)
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # as a terminal's foreground command: SIGINT not ignored (a shell's background job,
+    # which may run these tests, ignores it, and an ignored signal is inherited; a handled
+    # one is reset to the default by exec)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "satjax", "train", "--no-progress", "--set",
+             f"run_dir={tmp_path / 'run'}", "--set", "train.steps=3",
+             "--set", "rollout.group_size=4", "--set", "rollout.prompts_per_step=2", *extra],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.mark.parametrize("phase, sft_steps", [
