@@ -312,43 +312,6 @@ def _ppo_bounds(p: Prepared, eps_low: Any, eps_high: Any) -> tuple[Array, Array]
     return 1.0 - jnp.asarray(eps_low, dt), 1.0 + jnp.asarray(eps_high, dt)
 
 
-@register("gspo", GspoHParams)
-@_jit_loss
-def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
-              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
-              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """GSPO: sequence-level clipped surrogate on the length-normalised ratio.
-
-    ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
-    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
-    loss = ``-mean_i J_i`` over valid sequences.
-
-    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
-    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
-    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
-
-    References:
-      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)  # 2 of 3 tokens
-      (-0.1, 0.6667)
-    """
-    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    loss, s = _sequence_objective(p, lo, hi)
-    proxy = _seq_mean(p.d_tok, p)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=proxy,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
-    return loss, aux
-
-
 @register("sat_gspo", SatGspoHParams)
 @_jit_loss
 def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
@@ -418,6 +381,43 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     return loss, aux
 
 
+@register("gspo", GspoHParams)
+@_jit_loss
+def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GSPO: sequence-level clipped surrogate on the length-normalised ratio.
+
+    ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
+    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-mean_i J_i`` over valid sequences.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)  # 2 of 3 tokens
+      (-0.1, 0.6667)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    loss, s = _sequence_objective(p, lo, hi)
+    proxy = _seq_mean(p.d_tok, p)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=proxy,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
 @register("gspo_token", GspoTokenHParams)
 @_jit_loss
 def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array,
@@ -481,50 +481,6 @@ def _token_terms(p: Prepared, lo: Array | float, hi: Array | float,
     return j * p.w * p.vf, r
 
 
-@register("ppo_clip", PpoClipHParams)
-@_jit_loss
-def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-                  *, eps_low: float, eps_high: float,
-                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
-                  old_logprobs: Array | None = None,
-                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """Token-level PPO-clip; loss = -(sum of token surrogates) / (number of valid tokens).
-
-    ``r_{i,t} = exp(lp_{i,t} - ref_{i,t})``,
-    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
-    loss = ``-sum_{i,t} J_{i,t} / #valid tokens``. The token-mean over the whole batch
-    weights long sequences more (DAPO-style), unlike :func:`grpo_loss`, which averages
-    within each sequence first. ``clip_ratio_c`` (None = off, else > 1): dual clip, for
-    ``A_i < 0`` ``J_{i,t} = max(J_{i,t}, clip_ratio_c * A_i)`` (verl's ``clip_ratio_c``;
-    Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", arXiv:1912.09729).
-
-    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
-    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
-    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
-
-    References:
-      PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
-      arXiv:1707.06347.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, aux = losses.ppo_clip_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
-      (-0.4, 0.3333)
-    """
-    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
-    return loss, aux
-
-
 @register("grpo", GrpoHParams)
 @_jit_loss
 def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
@@ -564,6 +520,50 @@ def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
     per_seq = jnp.sum(j, axis=1) / jnp.maximum(p.lengths, 1.0)
     loss = -masked_mean(per_seq, p.row_valid)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@register("ppo_clip", PpoClipHParams)
+@_jit_loss
+def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                  *, eps_low: float, eps_high: float,
+                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+                  old_logprobs: Array | None = None,
+                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """Token-level PPO-clip; loss = -(sum of token surrogates) / (number of valid tokens).
+
+    ``r_{i,t} = exp(lp_{i,t} - ref_{i,t})``,
+    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-sum_{i,t} J_{i,t} / #valid tokens``. The token-mean over the whole batch
+    weights long sequences more (DAPO-style), unlike :func:`grpo_loss`, which averages
+    within each sequence first. ``clip_ratio_c`` (None = off, else > 1): dual clip, for
+    ``A_i < 0`` ``J_{i,t} = max(J_{i,t}, clip_ratio_c * A_i)`` (verl's ``clip_ratio_c``;
+    Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", arXiv:1912.09729).
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
+      arXiv:1707.06347.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.ppo_clip_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (-0.4, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
     return loss, aux

@@ -3,7 +3,9 @@
 ``@register("gspo", GspoHParams)`` on a loss function records the name, its hyperparameter
 dataclass and the loss in :data:`OBJECTIVES`; :mod:`satjax.objectives` builds the named
 objectives from it, so adding an objective is one decorator next to its loss (plus its
-dataclass in :mod:`satjax.losses.hparams`).
+dataclass in :mod:`satjax.losses.hparams`). The order of registration (the order of the
+definitions in :mod:`satjax.losses.policy_gradient`, the project's default ``sat_gspo``
+first) is the order of ``satjax.objectives.NAMES`` and of the messages that list them.
 """
 
 from __future__ import annotations
