@@ -60,6 +60,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, code, line", CASES, ids=[" ".join(c[0]) for c in CASES])
+@pytest.mark.slow
 def test_user_error_is_one_line_with_exit_code(satjax_cli, argv, code, line):
     r = satjax_cli(*argv)
     assert r.returncode == code, r.stderr[-2000:]

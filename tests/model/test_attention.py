@@ -195,6 +195,7 @@ def test_sharded_equals_single_device(attend):
         np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_model_blockwise_equals_reference_and_scans():
     """Final hidden states on valid rows and parameter gradients of the token
     log-likelihood (right- and left-padded rows), blockwise (scanned layers, 2 blocks of

@@ -123,6 +123,7 @@ def test_ragged_and_dense_dispatch_agree_with_loop_reference():
 
 
 @pytest.mark.parametrize("routes", ["balanced", "skewed", "one_expert", "idle_experts"])
+@pytest.mark.slow
 def test_grouped_values_and_gradients_equal_autodiff_of_dense(routes):
     """grouped's hand-written backward vs autodiff of the dense reference, on loads that
     take full chunks, tail chunks, chunks running past an expert's rows into the next
@@ -203,6 +204,7 @@ def _reference(impl):
     return _REFERENCE[impl]
 
 
+@pytest.mark.slow
 def test_replay_other_routes_changes_output_and_trains_router():
     cfg, model, _, _, ids, mask, other, ((_, logits), grads) = _reference("grouped")
     own = _fwd(model, ids, mask, None)
@@ -251,6 +253,7 @@ def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
                                ref_grad["layers"][1]["mlp"]["gate"][...], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_scan_layers_equals_unrolled():
     """scan_layers=True computes the same outputs, replay and gradients as the unrolled loop."""
     cfg = Qwen3MoeConfig.tiny(num_hidden_layers=3, initializer_range=0.1)

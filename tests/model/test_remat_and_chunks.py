@@ -44,6 +44,7 @@ def _assert_grads_close(a, b, rtol):
                                                      np.abs(x - y).max() / scale)
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_equal_one_chunk_values_and_gradients():
     r = np.random.default_rng(0)
     b, t, d, v = 2, 37, 16, 50  # 37 = 4 chunks of 10, the last one padded
@@ -94,6 +95,7 @@ def test_chunked_head_holds_one_chunk_of_logits():
     assert eight < full_logits / 3
 
 
+@pytest.mark.slow
 def test_token_logprobs_in_chunks_equal_the_full_heads():
     model = Qwen3MoeForCausalLM(CFG, rngs=nnx.Rngs(0))
     ids, mask = _batch()
@@ -122,6 +124,7 @@ def _grad_without_remat(scan_layers: bool):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(remat, scan_layers):
     # all layers MoE, so scan_layers really scans
     model = Qwen3MoeForCausalLM(CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers)
@@ -132,6 +135,7 @@ def test_remat_gives_the_same_gradients(remat, scan_layers):
     _assert_grads_close(g0, g1, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_keeps_only_the_layer_inputs():
     # With the layers scanned, each extra layer adds its whole activations to the
     # gradient's temporaries without remat, and little more than its input with "full".
@@ -169,6 +173,7 @@ def test_unknown_remat_is_refused():
 
 
 @pytest.mark.parametrize("impl", ["grouped", "ragged"])
+@pytest.mark.slow
 def test_moe_token_chunks_give_the_same_values_and_gradients(impl):
     from satjax.model.moe import _IMPLS, in_token_chunks, route
 

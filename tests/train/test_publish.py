@@ -148,6 +148,7 @@ def _nudged(model, paths, scale):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+@pytest.mark.slow
 def test_delta_versions_round_trip_bit_exactly_in_bf16(sharded, tmp_path):
     """Versions 0..4 of a float32 model published as bfloat16 with a keyframe every 3:
     0 and 3 full, 1, 2, 4 deltas of the version before. Following them (each version, and

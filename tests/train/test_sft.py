@@ -62,6 +62,7 @@ def test_the_loss_is_the_mean_nll_of_the_masked_tokens():
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_warm_up_fits_a_repeated_example_and_reports_every_step():
     model, seen = _model(), []
     losses = run_sft(model, itertools.cycle(EXAMPLES), TOK, steps=40, batch_size=2,
