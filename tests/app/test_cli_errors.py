@@ -76,6 +76,7 @@ def _saved_run(tmp_path, *overrides):
     return run
 
 
+@pytest.mark.slow
 def test_resume_refuses_changing_what_the_run_is(satjax_cli, tmp_path):
     run = _saved_run(tmp_path, "task.max_digits=2")
     r = satjax_cli("train", "--set", f"run_dir={run}", "--resume", "--set",

@@ -128,6 +128,7 @@ def _error(capsys, command, argv):
     return err
 
 
+@pytest.mark.slow
 def test_user_mistakes_are_one_line_exit_2(small, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(small)  # where the user keeps my_reward.py
     monkeypatch.syspath_prepend(str(small))

@@ -98,6 +98,7 @@ def test_hf_to_satjax(tmp_path, padded):
     _compare(model, hf_model, padded)
 
 
+@pytest.mark.slow
 def test_hf_tied_embeddings_and_sparse_step(tmp_path):
     hf_model = _random_hf_model(seed=3, tie_word_embeddings=True, mlp_only_layers=[],
                                 decoder_sparse_step=2, norm_topk_prob=False,

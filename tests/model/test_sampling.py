@@ -135,6 +135,7 @@ def test_greedy_equals_argmax_and_stop_tokens(model):
     assert stopped[1].finish_reason == "stop" and len(stopped[1].response_tokens) <= 4
 
 
+@pytest.mark.slow
 def test_bf16_sampling_expert_flip_fraction(model):
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
     bf16 = sample(model, PROMPTS, params, rng=jax.random.key(3), dtype=jnp.bfloat16)

@@ -77,6 +77,7 @@ def test_sharded_step_matches_single_device(reference, shape, run_steps, cached_
     assert cached_step(shape).num_compilations == 1
 
 
+@pytest.mark.slow
 def test_step_updates_params_and_reports_metrics(reference, make_state, host, batches):
     ref_state, ref_metrics = reference
     init = host(nnx.state(make_state(0)))
@@ -116,6 +117,7 @@ def test_replay_with_own_routes_equals_no_replay(forward, run_steps, batches):
     assert_trees_close(on["model"], off["model"])
 
 
+@pytest.mark.slow
 def test_replay_matters_for_foreign_routes(reference, run_steps, batches, reference_objective):
     _, m_on = reference
     _, m_off = run_steps(batches[:1], replay=False)
@@ -216,6 +218,7 @@ def test_staleness_metrics_match_numpy_on_a_small_batch():
     assert float(same["token_gate_frac"]) == float(same["token_extreme_frac"]) == 0.0
 
 
+@pytest.mark.slow
 def test_step_logs_staleness_kl_and_grad_norm_of_its_batch(run_steps, batches, forward,
                                                            make_state):
     batch = batches[0]
