@@ -57,24 +57,13 @@ from satjax.losses import hparams as hp_lib
 
 Objective = Callable[[jax.Array, Mapping[str, Any]], tuple[jax.Array, dict[str, jax.Array]]]
 
-# name -> (its hyperparameter dataclass, its loss function)
-_REGISTRY: dict[str, tuple[type[hp_lib.HParams], Callable[..., Any]]] = {
-    "sat_gspo": (hp_lib.SatGspoHParams, losses.sat_gspo_loss),
-    "gspo": (hp_lib.GspoHParams, losses.gspo_loss),
-    "gspo_token": (hp_lib.GspoTokenHParams, losses.gspo_token_loss),
-    "grpo": (hp_lib.GrpoHParams, losses.grpo_loss),
-    "ppo_clip": (hp_lib.PpoClipHParams, losses.ppo_clip_loss),
-    "sat_ppo": (hp_lib.SatPpoHParams, losses.sat_ppo_loss),
-    "dppo_tv": (hp_lib.DppoTvHParams, losses.dppo_tv_loss),
-    "dppo_kl": (hp_lib.DppoKlHParams, losses.dppo_kl_loss),
-}
-
-NAMES: tuple[str, ...] = tuple(_REGISTRY)
+# every objective registers itself next to its loss (satjax.losses.registry)
+NAMES: tuple[str, ...] = tuple(losses.OBJECTIVES)
 IS_CORRECTIONS = hp_lib.IS_CORRECTIONS
 
 # Every objective's defaults as a plain dict (derived from the dataclasses, for display).
 DEFAULTS: dict[str, dict[str, Any]] = {
-    name: dataclasses.asdict(cls()) for name, (cls, _) in _REGISTRY.items()
+    name: dataclasses.asdict(spec.hparams()) for name, spec in losses.OBJECTIVES.items()
 }
 
 _IS_FIELDS = tuple(f.name for f in dataclasses.fields(hp_lib.HParams)
@@ -83,7 +72,7 @@ _REQUIRED_KEYS = ("behavior_logprobs", "advantages", "mask")
 
 
 def _check_name(name: str) -> None:
-    if name not in _REGISTRY:
+    if name not in losses.OBJECTIVES:
         raise ValueError(f"objective: must be one of {NAMES}, got {name!r}")
 
 
@@ -96,7 +85,7 @@ def hparams(name: str, values: Mapping[str, Any] | None = None) -> hp_lib.HParam
         ones); or a value is out of range (the dataclass's own message).
     """
     _check_name(name)
-    cls = _REGISTRY[name][0]
+    cls = losses.OBJECTIVES[name].hparams
     values = dict(values or {})
     allowed = sorted(f.name for f in dataclasses.fields(cls))
     unknown = sorted(set(values) - set(allowed))
@@ -122,7 +111,8 @@ def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /,
     objective or hyperparameter, or an out-of-range value (see :func:`hparams`).
     """
     _check_name(name)
-    cls, loss_fn = _REGISTRY[name]
+    spec = losses.OBJECTIVES[name]
+    cls, loss_fn = spec.hparams, spec.loss
     if isinstance(hp, hp_lib.HParams):
         if type(hp) is not cls:
             raise ValueError(f"hp: must be a {cls.__name__} for objective {name!r}, "

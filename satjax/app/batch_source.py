@@ -10,8 +10,8 @@ One batch ahead, never more::
 the batch that step n+1 trains on, while step n runs on the devices (JAX dispatch is
 asynchronous, and the main thread waits for the step's metrics without holding the GIL).
 The queue is asked with the version that batch is trained at, ``V + 1``, so its stale drops
-(``lag > max_lag``) and its lag histogram are exactly those of the step that trains it, as
-when the batch is fetched after the step. In a single-process run the thread also pads the
+(``lag > max_lag``) are exactly those of the step that trains it, as when the batch is
+fetched after the step. In a single-process run the thread also pads the
 batch (``make_batch``) and places it on the mesh; in a multi-process run the processes first
 agree on it (collectives, ``satjax.app.multihost``) and placing is itself a collective, so
 both happen on the main thread, in :meth:`BatchSource.next`, in the same order everywhere.
@@ -217,13 +217,10 @@ class BatchSource:
         if not kept:  # every group of every fetch uniform: train on the last ones (A = 0)
             kept = last_dropped
             fetch.dropped_uniform_groups -= len({t.group_id for t in kept})
-        hist: collections.Counter[int] = collections.Counter()
-        for p in parts:
-            hist.update(p.lag_histogram)
         fetch.fetches = rounds
         # the cursor of every answer, dropped groups included: they are acknowledged too
         fetch.reply = TrajectoryBatch(kept, cursor=max(p.cursor for p in parts),
-                                      lag_histogram=dict(hist), dropped_stale=dropped)
+                                      dropped_stale=dropped)
 
     # -- the main thread ------------------------------------------------------------------
     def _wait(self, version: int, stop: Callable[[], bool]) -> _Fetch | None:

@@ -13,9 +13,12 @@ One module per family, everything re-exported here (``satjax.losses.X``):
 * :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
   objective (``SatGspoHParams``, ...) and for ``group_advantages``
   (``GroupAdvantageHParams``), the choice tuples ``KERNELS``, ``SCALES``, ``PROXIES``,
-  ``IS_LEVELS``.
+  ``IS_LEVELS``;
+* :mod:`~satjax.losses.registry`: ``OBJECTIVES``, filled by ``@register(name, HParams)``
+  on each loss where it is defined.
 
-:mod:`satjax.objectives` wraps the losses as named objectives ``fn(logprobs, batch)``.
+:mod:`satjax.objectives` wraps the registered losses as named objectives
+``fn(logprobs, batch)``.
 """
 
 from satjax.losses.advantages import group_advantages
@@ -55,11 +58,13 @@ from satjax.losses.policy_gradient import (
     sat_ppo_loss,
 )
 from satjax.losses.quantile import masked_mean, masked_quantile
+from satjax.losses.registry import OBJECTIVES
 from satjax.losses.regularizers import KL_ESTIMATORS, kl_penalty
 from satjax.losses.sat import sat_interval
 
 __all__ = [
-    "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "IS_LEVELS", "KERNELS", "PROXIES", "SCALES",
+    "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "IS_LEVELS", "KERNELS", "OBJECTIVES",
+    "PROXIES", "SCALES",
     "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
     "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
     "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,11 +44,20 @@ from satjax.losses.hparams import (
     DppoHParams,
     DppoKlHParams,
     DppoTvHParams,
+    GrpoHParams,
+    GspoHParams,
+    GspoTokenHParams,
+    Kernel,
+    PpoClipHParams,
     SatGspoHParams,
+    SatKernelHParams,
+    SatPpoHParams,
+    Scale,
     TokenClipHParams,
     check_hparams,
 )
 from satjax.losses.quantile import masked_mean
+from satjax.losses.registry import register
 from satjax.losses.sat import sign_selected_bounds, tail_factor, tail_kernel
 
 Array = jax.Array
@@ -143,8 +151,26 @@ def _validate_batch(logprobs: Array, behavior_logprobs: Array, advantages: Array
         check_finite_where_valid("token_weights", token_weights, valid)
 
 
+class Prepared(NamedTuple):
+    """A batch as every loss reads it (from :func:`_prepare`): promoted to the compute
+    dtype (at least float32), masked entries zeroed so nan/inf padding never leaks,
+    everything but ``lp`` detached. A pytree (a NamedTuple), so it crosses jit/vmap."""
+
+    lp: Array         # [B, T] current log-probs (the only input gradients flow into)
+    mu: Array         # [B, T] behaviour log-probs
+    ref: Array        # [B, T] the ratio's reference: old_logprobs when given, else mu
+    valid: Array      # [B, T] bool mask
+    vf: Array         # [B, T] the mask as 0/1 floats
+    lengths: Array    # [B] valid tokens per row
+    row_valid: Array  # [B] rows with at least one valid token
+    adv: Array        # [B] advantages
+    w: Array          # [B, T] token weights (the mask when none are given)
+    log_ratio: Array  # [B, T] lp - ref
+    d_tok: Array      # [B, T] the staleness proxy sg(lp - mu)
+
+
 def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-             old_logprobs: Array | None, token_weights: Array | None) -> dict[str, Array]:
+             old_logprobs: Array | None, token_weights: Array | None) -> Prepared:
     """Masked, promoted arrays shared by every loss (see module docstring)."""
     _validate_batch(logprobs, behavior_logprobs, advantages, mask, old_logprobs,
                     token_weights)
@@ -161,34 +187,26 @@ def _prepare(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask:
     ref = mu if old_logprobs is None else jax.lax.stop_gradient(clean(old_logprobs))
     vf = valid.astype(dt)
     lengths = jnp.sum(vf, axis=1)
-    out = {
-        "lp": lp_c,
-        "mu": mu,
-        "ref": ref,
-        "valid": valid,
-        "vf": vf,
-        "lengths": lengths,
-        "row_valid": lengths > 0,
-        "adv": jax.lax.stop_gradient(jnp.asarray(advantages).astype(dt)),
-    }
-    out["w"] = (vf if token_weights is None
-                else jax.lax.stop_gradient(clean(token_weights)))
-    # Token log-ratio against the ratio reference, and the staleness proxy vs behaviour.
-    out["log_ratio"] = lp_c - ref
-    out["d_tok"] = jax.lax.stop_gradient(lp_c - mu)
-    return out
-def _seq_mean(x: Array, p: Mapping[str, Array]) -> Array:
+    return Prepared(
+        lp=lp_c, mu=mu, ref=ref, valid=valid, vf=vf, lengths=lengths,
+        row_valid=lengths > 0,
+        adv=jax.lax.stop_gradient(jnp.asarray(advantages).astype(dt)),
+        w=vf if token_weights is None else jax.lax.stop_gradient(clean(token_weights)),
+        # token log-ratio against the ratio reference, and the staleness proxy vs behaviour
+        log_ratio=lp_c - ref,
+        d_tok=jax.lax.stop_gradient(lp_c - mu))
+def _seq_mean(x: Array, p: Prepared) -> Array:
     """Per-row mean over valid tokens, [B, T] -> [B] (0 for empty rows)."""
-    return jnp.sum(x * p["vf"], axis=1) / jnp.maximum(p["lengths"], 1.0)
+    return jnp.sum(x * p.vf, axis=1) / jnp.maximum(p.lengths, 1.0)
 
 
-def _kl_k3(p: Mapping[str, Array]) -> Array:
+def _kl_k3(p: Prepared) -> Array:
     """k3 estimate of KL(behaviour || current) on behaviour samples, masked token mean."""
-    r = p["d_tok"]
-    return masked_mean(_ratio(r) - 1.0 - r, p["valid"])
+    r = p.d_tok
+    return masked_mean(_ratio(r) - 1.0 - r, p.valid)
 
 
-def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Array,
+def _aux(p: Prepared, *, ratio: Array, units_valid: Array, proxy: Array,
          lo: Array | float, hi: Array | float, eps_low: Any, eps_high: Any,
          factor: Array | None, min_factor: Array | None = None,
          binds: tuple[Array, Array] | None = None) -> dict[str, Array]:
@@ -206,9 +224,9 @@ def _aux(p: Mapping[str, Array], *, ratio: Array, units_valid: Array, proxy: Arr
     lo_ppo = 1.0 - jnp.asarray(eps_low, dt)
     hi_ppo = 1.0 + jnp.asarray(eps_high, dt)
     if ratio.ndim == 1:  # sequence level: weight each row by its valid-token count
-        adv, clip_w = p["adv"], p["lengths"]
+        adv, clip_w = p.adv, p.lengths
     else:
-        adv, clip_w = p["adv"][:, None], p["vf"]
+        adv, clip_w = p.adv[:, None], p.vf
     n_clip = jnp.maximum(jnp.sum(clip_w), 1.0)
 
     def clip_mean(x: Array) -> Array:
@@ -280,62 +298,27 @@ def _jit_loss(impl):
 # --------------------------------------------------------------------------- sequence level
 
 
-def _sequence_objective(p: Mapping[str, Array], lo: Array | float,
+def _sequence_objective(p: Prepared, lo: Array | float,
                         hi: Array | float) -> tuple[Array, Array]:
     """GSPO core: (loss, ratio [B]) with s_i = exp(mean_t log-ratio), bounds [B] or scalar."""
-    s = _ratio(_seq_mean(p["log_ratio"], p))
-    seq_w = _seq_mean(p["w"], p)
-    j = clipped_surrogate(s, p["adv"], lo, hi) * seq_w
-    return -masked_mean(j, p["row_valid"]), s
+    s = _ratio(_seq_mean(p.log_ratio, p))
+    seq_w = _seq_mean(p.w, p)
+    j = clipped_surrogate(s, p.adv, lo, hi) * seq_w
+    return -masked_mean(j, p.row_valid), s
 
 
-def _ppo_bounds(p: Mapping[str, Array], eps_low: Any, eps_high: Any) -> tuple[Array, Array]:
-    dt = p["lp"].dtype
+def _ppo_bounds(p: Prepared, eps_low: Any, eps_high: Any) -> tuple[Array, Array]:
+    dt = p.lp.dtype
     return 1.0 - jnp.asarray(eps_low, dt), 1.0 + jnp.asarray(eps_high, dt)
 
 
-@_jit_loss
-def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
-              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
-              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """GSPO: sequence-level clipped surrogate on the length-normalised ratio.
-
-    ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
-    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
-    loss = ``-mean_i J_i`` over valid sequences.
-
-    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
-    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
-    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
-
-    References:
-      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)  # 2 of 3 tokens
-      (-0.1, 0.6667)
-    """
-    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    loss, s = _sequence_objective(p, lo, hi)
-    proxy = _seq_mean(p["d_tok"], p)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"], proxy=proxy,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
-    return loss, aux
-
-
+@register("sat_gspo", SatGspoHParams)
 @_jit_loss
 def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                   *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
                   w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
-                  kernel: str = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
-                  c_min: float = SAT_DEFAULTS.c_min, scale: str = SAT_DEFAULTS.scale,
+                  kernel: Kernel = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
+                  c_min: float = SAT_DEFAULTS.c_min, scale: Scale = SAT_DEFAULTS.scale,
                   proxy: str = SatGspoHParams.proxy, old_logprobs: Array | None = None,
                   token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """SAT-GSPO: GSPO with staleness-adaptive, sign-selected per-sequence clip bounds.
@@ -373,31 +356,69 @@ def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
       True
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    kw: dict[str, Any] = dict(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min,
-                              scale=scale)
-    d_seq = _seq_mean(p["d_tok"], p)
+    sat = SatKernelHParams(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min,
+                           scale=scale)
+    d_seq = _seq_mean(p.d_tok, p)
     if proxy == "sequence":
-        f = tail_factor(d_seq, p["row_valid"], **kw)
+        f = tail_factor(d_seq, p.row_valid, sat)
         lo, hi = sign_selected_bounds(d_seq, f, f, eps_low, eps_high)
     else:
-        phi = tail_kernel(p["d_tok"], p["valid"], **kw)
+        phi = tail_kernel(p.d_tok, p.valid, sat)
         # Sign selection per token: tokens with d > 0 can only shrink the row's high
         # radius, tokens with d < 0 only its low radius, each by the row's minimum factor.
         # phi is non-increasing with phi(0) = 1, so that minimum is phi of the row's
         # largest |d| on that side (d is 0 at invalid tokens): two row reductions of d and
         # the kernel on [B], instead of the kernel on every token.
-        zero = jnp.zeros((), p["d_tok"].dtype)
-        f_hi = phi(jnp.maximum(jnp.max(p["d_tok"], axis=1), zero))
-        f_lo = phi(jnp.maximum(-jnp.min(p["d_tok"], axis=1), zero))
+        zero = jnp.zeros((), p.d_tok.dtype)
+        f_hi = phi(jnp.maximum(jnp.max(p.d_tok, axis=1), zero))
+        f_lo = phi(jnp.maximum(-jnp.min(p.d_tok, axis=1), zero))
         lo = 1.0 - jnp.asarray(eps_low, f_lo.dtype) * f_lo
         hi = 1.0 + jnp.asarray(eps_high, f_hi.dtype) * f_hi
         f = jnp.minimum(f_lo, f_hi)
     loss, s = _sequence_objective(p, lo, hi)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"], proxy=d_seq,
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=d_seq,
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)
     return loss, aux
 
 
+@register("gspo", GspoHParams)
+@_jit_loss
+def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float, eps_high: float, old_logprobs: Array | None = None,
+              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GSPO: sequence-level clipped surrogate on the length-normalised ratio.
+
+    ``s_i = exp(mean_t (lp_{i,t} - ref_{i,t}))``,
+    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``,
+    loss = ``-mean_i J_i`` over valid sequences.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, aux = losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)  # 2 of 3 tokens
+      (-0.1, 0.6667)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    loss, s = _sequence_objective(p, lo, hi)
+    proxy = _seq_mean(p.d_tok, p)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=proxy,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@register("gspo_token", GspoTokenHParams)
 @_jit_loss
 def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array,
                     mask: Array, *, eps_low: float, eps_high: float,
@@ -430,13 +451,13 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    s = _ratio(_seq_mean(p["log_ratio"], p))
+    s = _ratio(_seq_mean(p.log_ratio, p))
     s_tok = jax.lax.stop_gradient(s)[:, None] * jnp.exp(
-    p["lp"] - jax.lax.stop_gradient(p["lp"]))
-    j = clipped_surrogate(s_tok, p["adv"][:, None], lo, hi) * p["w"]
-    loss = -masked_mean(_seq_mean(j, p), p["row_valid"])
-    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p["row_valid"],
-               proxy=_seq_mean(p["d_tok"], p), lo=lo, hi=hi, eps_low=eps_low,
+    p.lp - jax.lax.stop_gradient(p.lp))
+    j = clipped_surrogate(s_tok, p.adv[:, None], lo, hi) * p.w
+    loss = -masked_mean(_seq_mean(j, p), p.row_valid)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid,
+               proxy=_seq_mean(p.d_tok, p), lo=lo, hi=hi, eps_low=eps_low,
                eps_high=eps_high, factor=None)
     return loss, aux
 
@@ -444,7 +465,7 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
 # --------------------------------------------------------------------------- token level
 
 
-def _token_terms(p: Mapping[str, Array], lo: Array | float, hi: Array | float,
+def _token_terms(p: Prepared, lo: Array | float, hi: Array | float,
                  clip_ratio_c: Any) -> tuple[Array, Array]:
     """Per-token weighted surrogate [B, T] (0 at invalid tokens) and the token ratio.
 
@@ -452,14 +473,59 @@ def _token_terms(p: Mapping[str, Array], lo: Array | float, hi: Array | float,
     ``clip_ratio_c * A``, i.e. its loss is capped at ``clip_ratio_c * |A|`` (no gradient
     there), as verl's ``clip_ratio_c``.
     """
-    r = _ratio(p["log_ratio"])
-    adv = p["adv"][:, None]
+    r = _ratio(p.log_ratio)
+    adv = p.adv[:, None]
     j = clipped_surrogate(r, adv, lo, hi)
     if clip_ratio_c is not None:
         j = jnp.where(adv < 0, jnp.maximum(j, jnp.asarray(clip_ratio_c, j.dtype) * adv), j)
-    return j * p["w"] * p["vf"], r
+    return j * p.w * p.vf, r
 
 
+@register("grpo", GrpoHParams)
+@_jit_loss
+def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
+              eps_low: float, eps_high: float,
+              clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+              old_logprobs: Array | None = None,
+              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """GRPO: token-level clip, each sequence's token surrogates averaged over its length,
+    then averaged over sequences (every sequence weighs the same; cf. :func:`ppo_clip_loss`).
+
+    With ``J_{i,t}`` as in :func:`ppo_clip_loss`: loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``
+    over valid sequences, ``|o_i|`` the number of valid tokens of row i; ``clip_ratio_c``
+    is the dual clip of :func:`ppo_clip_loss`. The
+    KL-to-reference penalty of the GRPO paper is not included (add it in the trainer;
+    ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy).
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
+      in Open Language Models", arXiv:2402.03300.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> loss, _ = losses.grpo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(loss), 4)
+      -0.05
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
+    per_seq = jnp.sum(j, axis=1) / jnp.maximum(p.lengths, 1.0)
+    loss = -masked_mean(per_seq, p.row_valid)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+    return loss, aux
+
+
+@register("ppo_clip", PpoClipHParams)
 @_jit_loss
 def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                   *, eps_low: float, eps_high: float,
@@ -497,61 +563,19 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
     return loss, aux
 
 
-@_jit_loss
-def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array, *,
-              eps_low: float, eps_high: float,
-              clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
-              old_logprobs: Array | None = None,
-              token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """GRPO: token-level clip, each sequence's token surrogates averaged over its length,
-    then averaged over sequences (every sequence weighs the same; cf. :func:`ppo_clip_loss`).
-
-    With ``J_{i,t}`` as in :func:`ppo_clip_loss`: loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``
-    over valid sequences, ``|o_i|`` the number of valid tokens of row i; ``clip_ratio_c``
-    is the dual clip of :func:`ppo_clip_loss`. The
-    KL-to-reference penalty of the GRPO paper is not included (add it in the trainer;
-    ``aux["kl_k3"]`` is the k3 estimate against the behaviour policy).
-
-    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
-    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
-    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
-
-    References:
-      GRPO: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
-      in Open Language Models", arXiv:2402.03300.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, _ = losses.grpo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4)
-      -0.05
-    """
-    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    lo, hi = _ppo_bounds(p, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    per_seq = jnp.sum(j, axis=1) / jnp.maximum(p["lengths"], 1.0)
-    loss = -masked_mean(per_seq, p["row_valid"])
-    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
-    return loss, aux
-
-
+@register("sat_ppo", SatPpoHParams)
 @_jit_loss
 def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                  *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
                  w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
-                 kernel: str = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
-                 c_min: float = SAT_DEFAULTS.c_min, scale: str = SAT_DEFAULTS.scale,
+                 kernel: Kernel = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
+                 c_min: float = SAT_DEFAULTS.c_min, scale: Scale = SAT_DEFAULTS.scale,
                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
                  old_logprobs: Array | None = None,
                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
@@ -581,17 +605,17 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
       (-0.3854, 0.3333)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    phi = tail_kernel(p["d_tok"], p["valid"], c=c, w=w, lam=lam, kernel=kernel,
-                      quantile=quantile, c_min=c_min, scale=scale)
-    a = jnp.abs(p["d_tok"])
+    phi = tail_kernel(p.d_tok, p.valid, SatKernelHParams(
+        c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min, scale=scale))
+    a = jnp.abs(p.d_tok)
     f = phi(a)  # d is 0 at invalid tokens, and phi(0) = 1
-    lo, hi = sign_selected_bounds(p["d_tok"], f, f, eps_low, eps_high)
+    lo, hi = sign_selected_bounds(p.d_tok, f, f, eps_low, eps_high)
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
     # phi is non-increasing: the smallest factor is phi(max |d|), and max |d| is the
     # proxy_abs_max metric (the same expression, so XLA computes it once).
-    min_factor = phi(_masked_max(a, p["valid"], 0.0))
-    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+    min_factor = phi(_masked_max(a, p.valid, 0.0))
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
                lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f,
                min_factor=min_factor)
     return loss, aux
@@ -600,23 +624,24 @@ def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
 # --------------------------------------------------------------------------- DPPO
 
 
-def _dppo(p: Mapping[str, Array], out_low: Array, out_high: Array,
+def _dppo(p: Prepared, out_low: Array, out_high: Array,
           ratio_cap: Any) -> tuple[Array, dict[str, Array]]:
     """DPPO core: token-mean of ``A * sg(min(r, ratio_cap)) * lp`` over the tokens not
     dropped, a token being dropped when its divergence is out (``out_low`` for ``A < 0``,
     ``out_high`` for ``A > 0``); DPPO has no ratio interval, so its radius metrics are 0."""
-    r = _ratio(p["log_ratio"])
-    adv = p["adv"][:, None]
-    drop_low, drop_high = (adv < 0) & out_low & p["valid"], (adv > 0) & out_high & p["valid"]
+    r = _ratio(p.log_ratio)
+    adv = p.adv[:, None]
+    drop_low, drop_high = (adv < 0) & out_low & p.valid, (adv > 0) & out_high & p.valid
     coef = jax.lax.stop_gradient(jnp.minimum(r, jnp.asarray(ratio_cap, r.dtype)))
-    j = jnp.where(drop_low | drop_high, 0.0, adv * coef * p["lp"]) * p["w"] * p["vf"]
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p["vf"]), 1.0)
-    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p["valid"], proxy=p["d_tok"],
+    j = jnp.where(drop_low | drop_high, 0.0, adv * coef * p.lp) * p.w * p.vf
+    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
                lo=1.0, hi=1.0, eps_low=0.0, eps_high=0.0, factor=None,
                binds=(drop_low, drop_high))
     return loss, aux
 
 
+@register("dppo_tv", DppoTvHParams)
 @_jit_loss
 def dppo_tv_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                  *, delta_low: float = DppoTvHParams.delta_low,
@@ -655,12 +680,13 @@ def dppo_tv_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
       (0.5, 0.3333)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    dt = p["lp"].dtype
-    tv = jax.lax.stop_gradient(jnp.exp(p["lp"]) - jnp.exp(p["ref"]))  # p - q
+    dt = p.lp.dtype
+    tv = jax.lax.stop_gradient(jnp.exp(p.lp) - jnp.exp(p.ref))  # p - q
     return _dppo(p, tv < -jnp.asarray(delta_low, dt), tv > jnp.asarray(delta_high, dt),
                  ratio_cap)
 
 
+@register("dppo_kl", DppoKlHParams)
 @_jit_loss
 def dppo_kl_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
                  *, delta_low: float = DppoKlHParams.delta_low,
@@ -698,8 +724,8 @@ def dppo_kl_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
       (0.5, 0.3333)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    dt = p["lp"].dtype
-    lp, ref = jax.lax.stop_gradient(p["lp"]), p["ref"]
+    dt = p.lp.dtype
+    lp, ref = jax.lax.stop_gradient(p.lp), p.ref
     q, not_q, not_p = jnp.exp(ref), -jnp.expm1(ref), -jnp.expm1(lp)
     kl = (q * (ref - lp) + jax.scipy.special.xlogy(not_q, not_q)
           - jax.scipy.special.xlogy(not_q, not_p))

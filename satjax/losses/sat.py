@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from satjax.losses._checks import check_shape, compute_dtype
-from satjax.losses.hparams import SAT_DEFAULTS, check_hparams
+from satjax.losses.hparams import SAT_DEFAULTS, Kernel, SatKernelHParams, Scale, check_hparams
 from satjax.losses.quantile import masked_mean, masked_quantile
 
 Array = jax.Array
@@ -25,17 +25,16 @@ _TINY = 1e-12  # keeps the gauss batch scale positive when every proxy is zero
 _MAD_TO_STD = 1.4826  # median |x| of a zero-mean normal times this is its std
 
 
-def hill_kernel(a: Array, valid: Array, *, lam: Any, quantile: Any,
-                c_min: Any) -> Callable[[Array], Array]:
+def hill_kernel(a: Array, valid: Array, hp: SatKernelHParams) -> Callable[[Array], Array]:
     """Hill kernel with its gate bound to the batch: ``phi(x) = 1 - lam (1 - cf)``.
 
-    ``q`` = the ``quantile`` of ``a = |d|`` (0 at invalid entries) over the valid entries,
-    computed once here; ``phi`` then maps any ``x >= 0`` elementwise to
+    ``q`` = the ``hp.quantile`` of ``a = |d|`` (0 at invalid entries) over the valid
+    entries, computed once here; ``phi`` then maps any ``x >= 0`` elementwise to
     ``cf = max(c_min, 2 / (1 + (x / q)^2))`` for ``x > q`` and 1 otherwise (1 everywhere
-    when ``q == 0``).
+    when ``q == 0``); ``lam``, ``c_min``: ``hp``'s.
     """
     dt = a.dtype
-    qv = masked_quantile(a, quantile, valid)
+    qv = masked_quantile(a, hp.quantile, valid)
     safe_q = jnp.where(qv > 0, qv, jnp.ones((), dt))
 
     # A scalar reciprocal, so phi has no elementwise division: XLA then fuses phi into
@@ -44,39 +43,38 @@ def hill_kernel(a: Array, valid: Array, *, lam: Any, quantile: Any,
 
     def phi(x: Array) -> Array:
         u = x * inv_q
-        cf = jnp.maximum(jnp.asarray(c_min, dt), 2.0 / (1.0 + u * u))
+        cf = jnp.maximum(jnp.asarray(hp.c_min, dt), 2.0 / (1.0 + u * u))
         cf = jnp.where((qv > 0) & (x > qv), cf, jnp.ones((), dt))
-        return 1.0 - jnp.asarray(lam, dt) * (1.0 - cf)
+        return 1.0 - jnp.asarray(hp.lam, dt) * (1.0 - cf)
 
     return phi
 
 
-def gauss_kernel(a: Array, valid: Array, *, c: Any, w: Any, lam: Any,
-                 scale: str) -> Callable[[Array], Array]:
+def gauss_kernel(a: Array, valid: Array, hp: SatKernelHParams) -> Callable[[Array], Array]:
     """Gauss kernel with its scale bound to the batch: ``phi(x) = 1 - lam k(x)``,
-    ``k(x) = 1 - exp(-max(0, x / sigma - c)^2 / (2 w^2))``.
+    ``k(x) = 1 - exp(-max(0, x / sigma - c)^2 / (2 w^2))`` (``lam``, ``c``, ``w``: ``hp``'s).
 
     ``sigma`` is the batch scale of ``a = |d|`` over the valid entries: ``sqrt(mean a^2)``
-    (``scale="rms"``) or ``1.4826 * median a`` (``scale="mad"``), plus 1e-12.
+    (``hp.scale="rms"``) or ``1.4826 * median a`` (``"mad"``), plus 1e-12.
     """
     dt = a.dtype
-    if scale == "rms":
+    if hp.scale == "rms":
         sigma = jnp.sqrt(masked_mean(a * a, valid))
     else:
         sigma = _MAD_TO_STD * masked_quantile(a, 0.5, valid)
     sigma = sigma + _TINY
 
     def phi(x: Array) -> Array:
-        excess = jnp.maximum(x / sigma - jnp.asarray(c, dt), 0.0)
-        k = 1.0 - jnp.exp(-(excess * excess) / (2.0 * jnp.asarray(w, dt) ** 2))
-        return 1.0 - jnp.asarray(lam, dt) * k
+        excess = jnp.maximum(x / sigma - jnp.asarray(hp.c, dt), 0.0)
+        k = 1.0 - jnp.exp(-(excess * excess) / (2.0 * jnp.asarray(hp.w, dt) ** 2))
+        return 1.0 - jnp.asarray(hp.lam, dt) * k
 
     return phi
 
 
-def tail_kernel(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str,
-                quantile: Any, c_min: Any, scale: str) -> Callable[[Array], Array]:
-    """The contraction kernel with its batch statistic taken from the (detached) ``d``.
+def tail_kernel(d: Array, valid: Array, hp: SatKernelHParams) -> Callable[[Array], Array]:
+    """The contraction kernel ``hp.kernel`` with its batch statistic taken from the
+    (detached) ``d``.
 
     Returns ``phi``: ``phi(|d_i|)`` is entry i's factor in [0, 1] (1 = keep the PPO/GSPO
     radius), elementwise on any shape. The batch statistic (hill: the gate quantile; gauss:
@@ -86,20 +84,18 @@ def tail_kernel(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str
     """
     d = jax.lax.stop_gradient(d)
     a = jnp.where(valid, jnp.abs(d), jnp.zeros((), d.dtype))
-    if kernel == "gauss":
-        return gauss_kernel(a, valid, c=c, w=w, lam=lam, scale=scale)
-    return hill_kernel(a, valid, lam=lam, quantile=quantile, c_min=c_min)  # the paper's
+    if hp.kernel == "gauss":
+        return gauss_kernel(a, valid, hp)
+    return hill_kernel(a, valid, hp)  # the paper's
 
 
-def tail_factor(d: Array, valid: Array, *, c: Any, w: Any, lam: Any, kernel: str,
-                quantile: Any, c_min: Any, scale: str) -> Array:
+def tail_factor(d: Array, valid: Array, hp: SatKernelHParams) -> Array:
     """Contraction factor in [0, 1] for each entry of the (detached) proxy ``d``.
 
     Factor 1 means "keep the PPO/GSPO radius"; invalid entries always get 1.
     """
     d = jax.lax.stop_gradient(d)
-    phi = tail_kernel(d, valid, c=c, w=w, lam=lam, kernel=kernel, quantile=quantile,
-                      c_min=c_min, scale=scale)
+    phi = tail_kernel(d, valid, hp)
     return jnp.where(valid, phi(jnp.abs(d)), jnp.ones((), d.dtype))
 
 
@@ -114,9 +110,9 @@ def sign_selected_bounds(d: Array, f_lo: Array, f_hi: Array, eps_low: Any,
 
 def sat_interval(d: Array, *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
                  w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
-                 mask: Array | None = None, kernel: str = SAT_DEFAULTS.kernel,
+                 mask: Array | None = None, kernel: Kernel = SAT_DEFAULTS.kernel,
                  quantile: float = SAT_DEFAULTS.quantile, c_min: float = SAT_DEFAULTS.c_min,
-                 scale: str = SAT_DEFAULTS.scale) -> tuple[Array, Array]:
+                 scale: Scale = SAT_DEFAULTS.scale) -> tuple[Array, Array]:
     """SAT clip bounds ``(1 - eps_lo_i, 1 + eps_hi_i)`` from the staleness proxy ``d``.
 
     With ``f_i`` in [0, 1] the kernel's contraction factor of entry i:
@@ -154,8 +150,9 @@ def sat_interval(d: Array, *, eps_low: float, eps_high: float, c: float = SAT_DE
       >>> [round(float(x), 3) for x in lo]
       [0.8, 0.8, 0.8, 0.8, 0.8]
     """
-    check_hparams(eps_low=eps_low, eps_high=eps_high, c=c, w=w, lam=lam, kernel=kernel,
-                  quantile=quantile, c_min=c_min, scale=scale)
+    check_hparams(eps_low=eps_low, eps_high=eps_high)
+    hp = SatKernelHParams(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min,
+                          scale=scale)  # validates them
     d = jnp.asarray(d)
     if d.ndim not in (1, 2):
         raise ValueError(f"d: must have shape [B] or [B, T], got {d.shape}")
@@ -163,6 +160,5 @@ def sat_interval(d: Array, *, eps_low: float, eps_high: float, c: float = SAT_DE
         check_shape("mask", mask, d.shape, "d.shape")
     d = jax.lax.stop_gradient(d.astype(compute_dtype(d)))
     valid = jnp.ones(d.shape, bool) if mask is None else jnp.asarray(mask).astype(bool)
-    f = tail_factor(d, valid, c=c, w=w, lam=lam, kernel=kernel, quantile=quantile,
-                    c_min=c_min, scale=scale)
+    f = tail_factor(d, valid, hp)
     return sign_selected_bounds(d, f, f, eps_low, eps_high)

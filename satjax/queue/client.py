@@ -28,8 +28,14 @@ from satjax.queue.codec import (
     encode_parts,
     join_messages,
 )
-from satjax.queue.core import PutResult, Rejection
-from satjax.queue.server import ERROR_KIND_KEY, STORAGE_ERROR
+from satjax.queue.protocol import (
+    ERROR_KIND_KEY,
+    STORAGE_ERROR,
+    PauseDecision,
+    PutResult,
+    Rejection,
+    check_wait,
+)
 from satjax.trajectory import Trajectory
 
 __all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "QueueError",
@@ -92,18 +98,7 @@ class TrajectoryBatch:
 
     trajectories: list[Trajectory]
     cursor: int              # pass to QueueClient.ack once trained on
-    lag_histogram: dict[int, int]
     dropped_stale: int
-
-
-@dataclasses.dataclass(frozen=True)
-class PauseDecision:
-    pause: bool
-    reason: str
-    trainer_version: int
-    max_lag: int
-    predicted_lag: int
-    pending_fresh: int
 
 
 _ERRORS: dict[grpc.StatusCode, type[QueueError]] = {
@@ -221,8 +216,8 @@ class QueueClient:
         """Whether a worker at ``worker_version`` should stop generating (would be wasted)."""
         r = self._call("should_pause", lambda: self._stub.ShouldPause(
             pb2.ShouldPauseRequest(worker_version=worker_version), metadata=self._metadata))
-        return PauseDecision(r.pause, r.reason, r.trainer_version, r.max_lag, r.predicted_lag,
-                             r.pending_fresh)
+        return PauseDecision(**{f.name: getattr(r, f.name)
+                                for f in dataclasses.fields(PauseDecision)})
 
     # -- trainer API ----------------------------------------------------------------------
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
@@ -239,8 +234,10 @@ class QueueClient:
         ``batch_rows``: the whole batch when it is fetched in several calls of ``n`` (the
         queue's ShouldPause predicts lags in batches of it).
         Routes are int32 unless the client was made with ``compact_routes=True`` (then
-        read-only uint8/uint16 views, no copy).
+        read-only uint8/uint16 views, no copy). ``timeout`` must be in ``[0, MAX_WAIT_S]``
+        (:mod:`satjax.queue.protocol`; ValueError otherwise): wait longer by calling again.
         """
+        timeout = check_wait("timeout", timeout)
         request = pb2.GetBatchRequest(n=n, trainer_version=trainer_version, timeout_s=timeout,
                                       allow_partial=allow_partial,
                                       redeliver_unacked=redeliver_unacked,
@@ -251,9 +248,8 @@ class QueueClient:
             request.batch_rows = batch_rows
         raw = self._call("get_batch", lambda: self._get_raw(
             request, timeout=timeout + 60.0, metadata=self._metadata))
-        trajs, cursor, hist, dropped = decode_batch_reply(raw,
-                                                          compact_routes=self.compact_routes)
-        return TrajectoryBatch(trajs, cursor, hist, dropped)
+        trajs, cursor, dropped = decode_batch_reply(raw, compact_routes=self.compact_routes)
+        return TrajectoryBatch(trajs, cursor, dropped)
 
     def ack(self, cursor: int) -> int:
         """Consumes every batch delivered to this client up to and including the one with

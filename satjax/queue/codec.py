@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from satjax.queue._proto import pb2
 from satjax.trajectory import Trajectory
@@ -49,13 +49,47 @@ def _numbers(desc: Descriptor) -> dict[str, int]:
     return {f.name: f.number for f in desc.fields}
 
 
+def _wire_types(desc: Descriptor) -> dict[int, tuple[int, ...]]:
+    """Field number -> the wire types its declared type may arrive in (a repeated scalar
+    also packed, as LEN)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for f in desc.fields:
+        if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FIXED64):
+            wire: tuple[int, ...] = (FIXED64,)
+        elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES,
+                        FieldDescriptor.TYPE_MESSAGE):
+            wire = (LEN,)
+        else:  # the schema's integers and enums are varints
+            wire = (VARINT,)
+        if f.is_repeated and wire != (LEN,):
+            wire += (LEN,)
+        out[f.number] = wire
+    return out
+
+
+def _check_wire(wire_types: Mapping[int, tuple[int, ...]], desc: Descriptor, field: int,
+                wtype: int) -> None:
+    """WireError when a known field arrives in a wire type its declared type never has.
+
+    Protobuf would keep such a field as an unknown one and read the declared field as its
+    default (a ``policy_version`` sent as fixed64 would read as 0): refused instead, so
+    what the server validates is what the sender meant. Unknown fields stay allowed.
+    """
+    allowed = wire_types.get(field)
+    if allowed is not None and wtype not in allowed:
+        name = desc.fields_by_number[field].name
+        raise WireError(f"{desc.name}.{name}: must have wire type {allowed[0]}, got {wtype}")
+
+
 _TRAJ = _numbers(pb2.Trajectory.DESCRIPTOR)
+_TRAJ_WIRE = _wire_types(pb2.Trajectory.DESCRIPTOR)
 _ROUTES = _numbers(pb2.RoutedExperts.DESCRIPTOR)
+_ROUTES_WIRE = _wire_types(pb2.RoutedExperts.DESCRIPTOR)
 _LOGITS = _numbers(pb2.RouterLogits.DESCRIPTOR)
+_LOGITS_WIRE = _wire_types(pb2.RouterLogits.DESCRIPTOR)
 _TIMING = _numbers(pb2.Timing.DESCRIPTOR)
 _MAP_ENTRY = _numbers(pb2.Trajectory.DESCRIPTOR.fields_by_name["reward_details"].message_type)
 _REPLY = _numbers(pb2.GetBatchReply.DESCRIPTOR)
-_HIST_ENTRY = _numbers(pb2.GetBatchReply.DESCRIPTOR.fields_by_name["lag_histogram"].message_type)
 PUT_BATCH_TRAJECTORIES = pb2.PutBatchRequest.DESCRIPTOR.fields_by_name["trajectories"].number
 REPLY_TRAJECTORIES = _REPLY["trajectories"]
 
@@ -195,13 +229,15 @@ class _Packed:
     shape: list[int]
     num_experts: int
 
-    def __init__(self, buf: memoryview, numbers: Mapping[str, int]):
+    def __init__(self, buf: memoryview, desc: Descriptor, numbers: Mapping[str, int],
+                 wire_types: Mapping[int, tuple[int, ...]]):
         self.data, self.dtype, self.shape, self.num_experts = memoryview(b""), "", [], 0
         seen: set[int] = set()
         for field, wtype, value in iter_fields(buf):
             if field != numbers["shape"] and field in seen:
                 raise WireError(f"field {field} repeated")
             seen.add(field)
+            _check_wire(wire_types, desc, field, wtype)
             if field == numbers["data"] and wtype == LEN:
                 self.data = value
             elif field == numbers["dtype"] and wtype == LEN:
@@ -237,6 +273,7 @@ class TrajectoryView:
             if field != _REWARD_DETAILS and field in seen:
                 raise WireError(f"trajectory: field {field} repeated")
             seen.add(field)
+            _check_wire(_TRAJ_WIRE, pb2.Trajectory.DESCRIPTOR, field, wtype)
             if wtype == LEN:
                 if field in _STRING_FIELDS:
                     setattr(self, _STRING_FIELDS[field], _text(value))
@@ -251,9 +288,11 @@ class TrajectoryView:
                             val = _double(v)
                     self.reward_details[key] = val
                 elif field == _TRAJ["routed_experts"]:
-                    self.routed_experts = _Packed(value, _ROUTES)
+                    self.routed_experts = _Packed(value, pb2.RoutedExperts.DESCRIPTOR,
+                                                  _ROUTES, _ROUTES_WIRE)
                 elif field == _TRAJ["router_logits"]:
-                    self.router_logits = _Packed(value, _LOGITS)
+                    self.router_logits = _Packed(value, pb2.RouterLogits.DESCRIPTOR,
+                                                 _LOGITS, _LOGITS_WIRE)
                 elif field == _TRAJ["timing"]:
                     for f, w, v in iter_fields(value):
                         if f in _TIMING_FIELDS and w == FIXED64:
@@ -434,28 +473,21 @@ def split_messages(buf: bytes | memoryview, field: int) -> list[memoryview]:
     return [v for f, w, v in iter_fields(memoryview(buf)) if f == field and w == LEN]
 
 
-def encode_batch_reply(payloads: Iterable[Buffer], cursor: int, lag_histogram: Mapping[int, int],
-                       dropped_stale: int) -> bytes:
+def encode_batch_reply(payloads: Iterable[Buffer], cursor: int, dropped_stale: int) -> bytes:
     """GetBatchReply wire bytes around stored Trajectory ``payloads``."""
     meta = pb2.GetBatchReply(cursor=cursor, dropped_stale=dropped_stale)
-    for lag, count in lag_histogram.items():
-        meta.lag_histogram[lag] = count
     return b"".join([*frame_messages(REPLY_TRAJECTORIES, payloads), meta.SerializeToString()])
 
 
 def decode_batch_reply(buf: bytes | memoryview, *, compact_routes: bool = False
-                       ) -> tuple[list[Trajectory], int, dict[int, int], int]:
-    """GetBatchReply wire bytes -> (trajectories, cursor, lag_histogram, dropped_stale)."""
-    trajs, hist, cursor, dropped = [], {}, 0, 0
+                       ) -> tuple[list[Trajectory], int, int]:
+    """GetBatchReply wire bytes -> (trajectories, cursor, dropped_stale)."""
+    trajs, cursor, dropped = [], 0, 0
     for field, _, value in iter_fields(memoryview(buf)):
         if field == REPLY_TRAJECTORIES:
             trajs.append(decode(value, compact_routes=compact_routes))
         elif field == _REPLY["cursor"]:
             cursor = value
-        elif field == _REPLY["lag_histogram"]:
-            entry = dict((f, v) for f, _, v in iter_fields(value))
-            lag = _signed64(entry.get(_HIST_ENTRY["key"], 0))  # int64 keys
-            hist[lag] = entry.get(_HIST_ENTRY["value"], 0)
         elif field == _REPLY["dropped_stale"]:
             dropped = value
-    return trajs, cursor, hist, dropped
+    return trajs, cursor, dropped

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ from typing import NamedTuple
 
 from satjax import config as run_config
 from satjax.queue.codec import TrajectoryView, WireError
+from satjax.queue.protocol import PauseDecision, PutResult, Rejection, check_wait
 from satjax.queue.store import (
     RECOVERY,
     STATE_FILE,
@@ -57,6 +59,7 @@ from satjax.queue.store import (
     RetiredIds,
     SegmentLog,
     StorageError,
+    segment_paths,
 )
 from satjax.queue.validation import Limits, Problem, validate
 
@@ -103,27 +106,6 @@ class QueueSettings:
     limits: Limits = Limits()
 
 
-@dataclasses.dataclass(frozen=True)
-class Rejection:
-    """Why the item at ``index`` of a put was not stored; ``field`` names the culprit."""
-
-    index: int
-    trajectory_id: str
-    field: str
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class PutResult:
-    accepted: list[str]      # stored (including duplicates of earlier puts)
-    duplicates: list[str]
-    rejected: list[Rejection]
-
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-
 class Parsed(NamedTuple):
     """One item of a put, parsed and checked on its own (:meth:`TrajectoryQueue.parse`)."""
 
@@ -132,7 +114,12 @@ class Parsed(NamedTuple):
     problem: Problem | None     # the first stateless problem (validation.validate) or None
 
 
-UNDECODABLE = Problem("trajectory", "trajectory: not a valid Trajectory message")
+UNDECODABLE = Problem("trajectory", "trajectory: must be a valid Trajectory message")
+
+
+def undecodable(error: WireError) -> Problem:
+    """The problem of put bytes that are not a Trajectory, naming what is wrong with them."""
+    return Problem(UNDECODABLE.field, f"{UNDECODABLE.message}, got bytes that are not ({error})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +139,6 @@ class BatchResult:
 
     payloads: list[bytes]
     cursor: int
-    lag_histogram: dict[int, int]
     dropped_stale: int
 
 
@@ -370,27 +356,27 @@ class Deliveries:
 # Back-pressure and lag prediction
 # ===================================================================================
 def pause_decision(consumer: ConsumerState, pending: list[Entry], worker_version: int, *,
-                   max_lag: int, max_pending: int, trainer_waiting: bool) -> dict:
-    """ShouldPauseReply fields for a worker at ``worker_version`` (see module docstring)."""
-    out = {"trainer_version": consumer.trainer_version, "max_lag": max_lag, "pause": False,
-           "reason": "", "predicted_lag": 0, "pending_fresh": len(pending)}
+                   max_lag: int, max_pending: int, trainer_waiting: bool) -> PauseDecision:
+    """The decision for a worker at ``worker_version`` (see module docstring)."""
+    decide = functools.partial(PauseDecision, trainer_version=consumer.trainer_version,
+                               max_lag=max_lag)
     if len(pending) >= max_pending:
-        out.update(pause=True, reason=f"{len(pending)} trajectories pending >= "
-                                      f"max_pending {max_pending}")
-        return out
+        return decide(pause=True, reason=f"{len(pending)} trajectories pending >= "
+                                         f"max_pending {max_pending}",
+                      predicted_lag=0, pending_fresh=len(pending))
     if consumer.trainer_version < 0:
-        out["reason"] = "no trainer has asked for a batch yet"
-        return out
+        return decide(pause=False, reason="no trainer has asked for a batch yet",
+                      predicted_lag=0, pending_fresh=len(pending))
     fresh = sum(1 for e in pending if consumer.trainer_version - e.policy_version <= max_lag)
     v_next = consumer.trainer_version if trainer_waiting else consumer.trainer_version + 1
     predicted = v_next + fresh // max(1, consumer.batch_n) - worker_version
-    out.update(pending_fresh=fresh, predicted_lag=predicted)
+    reason = ""
     if predicted > max_lag:
-        out.update(pause=True, reason=(
-            f"a trajectory from version {worker_version} would be consumed at "
-            f"trainer version {predicted + worker_version}, lag {predicted} > "
-            f"max_lag {max_lag}"))
-    return out
+        reason = (f"a trajectory from version {worker_version} would be consumed at "
+                  f"trainer version {predicted + worker_version}, lag {predicted} > "
+                  f"max_lag {max_lag}")
+    return decide(pause=predicted > max_lag, reason=reason, predicted_lag=predicted,
+                  pending_fresh=fresh)
 
 
 # ===================================================================================
@@ -422,7 +408,7 @@ class TrajectoryQueue:
         self._state_path = self.dir / STATE_FILE
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        has_log = any(self.dir.glob("seg-*.log"))
+        has_log = bool(segment_paths(self.dir))  # a stray seg-*.log name: DataDirError
         if reset_consumer_state or not (has_log or self._state_path.exists()):
             consumer = None  # set from the log below
         elif not self._state_path.exists():
@@ -444,10 +430,21 @@ class TrajectoryQueue:
         self._holder: str | None = None  # consumer_id holding the lease
         self._holder_seen = 0.0
         self.counters: Counter[str] = Counter()  # the *_total fields of StatsReply
+        unreadable = 0
         for seq, loc, payload in self._log.replay():
-            msg = TrajectoryView(payload)
             if consumer is None:  # no state to trust: everything in the log is unconsumed
                 consumer = ConsumerState(watermark=seq - 1)
+            try:
+                msg = TrajectoryView(payload)
+            except WireError as e:
+                # stored by a version whose codec was laxer (a field of the wrong wire type
+                # read as its default): never delivered; the record stays until its segment
+                # is retired
+                log.error("record %d in %s no longer parses (%s): consumed without delivery",
+                          seq, self.dir, e)
+                consumer.mark_done(seq)
+                unreadable += 1
+                continue
             self._ids[msg.trajectory_id] = seq
             self._seg_ids.setdefault(loc.segment, []).append(msg.trajectory_id)
             if not consumer.is_done(seq):
@@ -470,7 +467,7 @@ class TrajectoryQueue:
             self._log.close()
             raise
         self.counters["accepted_total"] = len(self._ids)
-        self.counters["quarantined_total"] = self._log.quarantined
+        self.counters["quarantined_total"] = self._log.quarantined + unreadable
         self._gc()
         log.info("queue at %s: %d pending, next seq %d", self.dir, len(self._entries),
                  self._next_seq)
@@ -555,8 +552,8 @@ class TrajectoryQueue:
         it as each item arrives (while the next is still on the wire)."""
         try:
             msg = TrajectoryView(raw)
-        except WireError:
-            return Parsed(raw, None, UNDECODABLE)
+        except WireError as e:
+            return Parsed(raw, None, undecodable(e))
         return Parsed(raw, msg, validate(msg, self.settings.limits))
 
     def put(self, items: list[Parsed]) -> PutResult:
@@ -589,8 +586,8 @@ class TrajectoryQueue:
             durable_seq = 0
             for i, (raw, msg, bad) in enumerate(items):
                 if msg is None:
-                    result.rejected.append(Rejection(i, "", UNDECODABLE.field,
-                                                     UNDECODABLE.message))
+                    bad = bad or UNDECODABLE
+                    result.rejected.append(Rejection(i, "", bad.field, bad.message))
                     continue
                 tid = msg.trajectory_id
                 if bad is None and (tid in self._ids or tid in self._retired or tid in seen):
@@ -675,7 +672,11 @@ class TrajectoryQueue:
         lag = self.settings.max_lag_default if max_lag is None else max_lag
         if lag < 0:
             raise QueueRequestError(f"max_lag: must be >= 0, got {lag!r}")
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            timeout_s = check_wait("timeout_s", timeout_s)
+        except ValueError as e:
+            raise QueueRequestError(str(e)) from None
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             self._check_open()
             self._claim(consumer_id, take_over)
@@ -724,8 +725,7 @@ class TrajectoryQueue:
             cursor = self._deliveries.deliver(entries)
             if dropped:
                 self._gc_or_storage_error()
-        hist = Counter(trainer_version - e.policy_version for e in entries)
-        return BatchResult(payloads, cursor, dict(hist), dropped)
+        return BatchResult(payloads, cursor, dropped)
 
     def ack(self, cursor: int, consumer_id: str = "") -> tuple[int, int]:
         """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""
@@ -740,7 +740,7 @@ class TrajectoryQueue:
             return len(entries), self._consumer.watermark
 
     # -- control ------------------------------------------------------------------------------
-    def should_pause(self, worker_version: int) -> dict:
+    def should_pause(self, worker_version: int) -> PauseDecision:
         """Decision for a worker at ``worker_version`` (see module docstring)."""
         with self._lock:
             return pause_decision(self._consumer, self._pending(), worker_version,

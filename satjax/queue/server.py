@@ -22,8 +22,10 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from satjax.queue._proto import SERVICE, pb2
@@ -35,7 +37,6 @@ from satjax.queue.codec import (
     split_messages,
 )
 from satjax.queue.core import (
-    UNDECODABLE,
     BatchResult,
     ConsumerLeaseError,
     Parsed,
@@ -44,14 +45,15 @@ from satjax.queue.core import (
     QueueSettings,
     StagedPut,
     TrajectoryQueue,
+    undecodable,
 )
+from satjax.queue.protocol import ERROR_KIND_KEY, MIN_TOKEN_CHARS, STORAGE_ERROR, TOKEN_ENV
 from satjax.queue.store import FSYNC_POLICIES, DataDirError, StorageError
 from satjax.queue.validation import Limits
 
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
 # A put is written in chunks of this many items or bytes, each as soon as it has arrived.
 # Not smaller: on the development VM an fsync has a large fixed cost (records of 489 KiB
 # fsynced one by one: 0.15-0.4 GB/s; 16 per fsync: ~1 GB/s), so writing each item of a
@@ -59,9 +61,6 @@ TOKEN_ENV = "SATJAX_QUEUE_TOKEN"
 PUT_CHUNK_ITEMS = 64
 PUT_CHUNK_BYTES = 32 << 20
 MAX_WORKERS = 16
-MIN_TOKEN_CHARS = 16
-# trailing metadata that tells a client a RESOURCE_EXHAUSTED is the disk, not the message size
-ERROR_KIND_KEY, STORAGE_ERROR = "satjax-error", "storage"
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -93,17 +92,40 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 
 def _serialize_batch(result: BatchResult) -> bytes:
     """GetBatchReply wire bytes, splicing stored Trajectory bytes without re-parsing them."""
-    return encode_batch_reply(result.payloads, result.cursor, result.lag_histogram,
-                              result.dropped_stale)
+    return encode_batch_reply(result.payloads, result.cursor, result.dropped_stale)
+
+
+class Malformed(NamedTuple):
+    """A unary request body that did not parse (see :func:`_lenient`)."""
+
+    message: str
+
+
+def _lenient(request_cls) -> Callable[[bytes], Any]:
+    """A request deserializer that returns :class:`Malformed` instead of raising: gRPC
+    answers a raising deserializer with INTERNAL and logs a traceback, but a body that is
+    not a ``request_cls`` is the caller's mistake (INVALID_ARGUMENT, see :func:`_guard`)."""
+    name = request_cls.DESCRIPTOR.name
+
+    def parse(raw: bytes):
+        try:
+            return request_cls.FromString(raw)
+        except DecodeError as e:
+            return Malformed(f"request: must be a valid {name} message, got {len(raw)} bytes "
+                             f"that are not ({e})")
+
+    return parse
 
 
 def _guard(fn: Callable) -> Callable:
-    """Maps queue errors to status codes: a closing queue to UNAVAILABLE (clients retry,
-    e.g. against a restart), a failed write to RESOURCE_EXHAUSTED naming the data dir, a
-    lease conflict to FAILED_PRECONDITION."""
+    """Maps queue errors to status codes: a malformed request body to INVALID_ARGUMENT, a
+    closing queue to UNAVAILABLE (clients retry, e.g. against a restart), a failed write
+    to RESOURCE_EXHAUSTED naming the data dir, a lease conflict to FAILED_PRECONDITION."""
 
     @functools.wraps(fn)
     def wrapper(request, context):
+        if isinstance(request, Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             return fn(request, context)
         except QueueClosedError as e:
@@ -127,8 +149,8 @@ class QueueService:
         """PutBatchRequest's trajectories, sliced out without re-encoding, each parsed."""
         try:
             views = split_messages(raw, PUT_BATCH_TRAJECTORIES)
-        except WireError:
-            return [Parsed(raw, None, UNDECODABLE)]
+        except WireError as e:
+            return [Parsed(raw, None, undecodable(e))]
         # copies: a cached payload must not keep the whole request alive
         return [self.queue.parse(bytes(v)) for v in views]
 
@@ -199,12 +221,13 @@ class QueueService:
         return pb2.StatsReply(**self.queue.stats())
 
     def should_pause(self, request: pb2.ShouldPauseRequest, context) -> pb2.ShouldPauseReply:
-        return pb2.ShouldPauseReply(**self.queue.should_pause(request.worker_version))
+        decision = self.queue.should_pause(request.worker_version)
+        return pb2.ShouldPauseReply(**dataclasses.asdict(decision))
 
     def handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable, request_cls, serializer=None):
             return grpc.unary_unary_rpc_method_handler(
-                _guard(fn), request_deserializer=request_cls.FromString,
+                _guard(fn), request_deserializer=_lenient(request_cls),
                 response_serializer=serializer or (lambda m: m.SerializeToString()))
 
         return grpc.method_handlers_generic_handler(SERVICE, {

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ SEQ = struct.Struct("<Q")
 FSYNC_POLICIES = ("always", "batch", "never")
 MAX_RECORD_BYTES = 1 << 31
 STATE_FILE = "state.json"
+SEGMENT_NAME = re.compile(r"seg-(\d{20})\.log")  # seg-<first seq, 20 digits>.log
 
 
 class DataDirError(RuntimeError):
@@ -59,6 +61,23 @@ class DataDirError(RuntimeError):
 
 class StorageError(OSError):
     """A write failed (disk full, I/O error) and was rolled back: nothing of it is stored."""
+
+
+def segment_paths(data_dir: Path) -> list[Path]:
+    """The segment files of ``data_dir``, oldest first.
+
+    Any other ``seg-*.log`` there is refused (:class:`DataDirError`) rather than skipped:
+    a renamed or copied segment may hold records the log needs, and replaying around it
+    would silently lose or duplicate them.
+    """
+    paths = sorted(data_dir.glob("seg-*.log"))
+    for path in paths:
+        if not SEGMENT_NAME.fullmatch(path.name) or not path.is_file():
+            raise DataDirError(
+                f"data_dir {str(data_dir)!r}: {path.name!r} is not a segment of this queue "
+                f"(segments are files named seg-<first seq, 20 digits>.log); move it out of "
+                f"the directory")
+    return paths
 
 
 class DirLock:
@@ -157,10 +176,11 @@ class SegmentLog:
         damage and truncating torn tails.
 
         Must be consumed fully before appending; opens the last segment for appends.
+        :class:`DataDirError` names a ``seg-*.log`` that is not a segment (see
+        :func:`segment_paths`).
         """
-        paths = sorted(self.dir.glob("seg-*.log"))
         last = 0
-        for path in paths:
+        for path in segment_paths(self.dir):
             first = int(path.stem.split("-")[1])
             seg = Segment(path, first, first - 1, 0, os.open(path, os.O_RDONLY))
             self.segments[first] = seg

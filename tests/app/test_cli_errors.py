@@ -80,6 +80,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("argv, code, line", CASES, ids=[" ".join(c[0]) for c in CASES])
+@pytest.mark.slow
 def test_user_error_is_one_line_with_exit_code(satjax_cli, argv, code, line):
     r = satjax_cli(*argv)
     assert r.returncode == code, r.stderr[-2000:]
@@ -95,6 +96,7 @@ def _saved_run(tmp_path, *overrides):
     return run
 
 
+@pytest.mark.slow
 def test_resume_refuses_changing_what_the_run_is(satjax_cli, tmp_path):
     run = _saved_run(tmp_path, "task.max_digits=2")
     r = satjax_cli("train", "--set", f"run_dir={run}", "--resume", "--set",

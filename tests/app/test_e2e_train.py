@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,6 +36,7 @@ def _metrics(run_dir):
     return [json.loads(x) for x in lines]
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_checkpoints_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     r = _train(run_dir, "--set", "train.steps=3")

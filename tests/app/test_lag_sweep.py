@@ -12,6 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     # the test bed's config (sort 6 digits, 32 experts top-4, bf16 sampling), cut to seconds
     env = {**os.environ, "PYTHONPATH": str(REPO)}

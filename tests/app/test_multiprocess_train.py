@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from satjax.utils import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +46,7 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+@pytest.mark.slow
 def test_two_processes_train_one_run_resume_and_a_failure_stops_both(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()

@@ -78,6 +78,7 @@ def _run_and_check(small, run_dir, *extra):
     return rows
 
 
+@pytest.mark.slow
 def test_user_checkpoint_trains_evaluates_and_exports(small, tmp_path):
     run_dir = tmp_path / "run"
     _run_and_check(small, run_dir)
@@ -111,6 +112,7 @@ def test_user_checkpoint_trains_evaluates_and_exports(small, tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("SATJAX_VLLM_PYTHON"),
                     reason="SATJAX_VLLM_PYTHON is unset (the vLLM test group)")
+@pytest.mark.slow
 def test_user_checkpoint_trains_with_vllm(small, tmp_path):
     _run_and_check(small, tmp_path / "run", "--set", "rollout.engine=vllm",
                    "--set", f"rollout.vllm_python={os.environ['SATJAX_VLLM_PYTHON']}")
@@ -126,6 +128,7 @@ def _error(capsys, command, argv):
     return err
 
 
+@pytest.mark.slow
 def test_user_mistakes_are_one_line_exit_2(small, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(small)  # where the user keeps my_reward.py
     monkeypatch.syspath_prepend(str(small))
@@ -158,6 +161,7 @@ def test_user_mistakes_are_one_line_exit_2(small, tmp_path, capsys, monkeypatch)
     assert "pip install 'satjax[math]'" in err
 
 
+@pytest.mark.slow
 def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
     """A dense checkpoint (model_type qwen3) trains; replay options refuse it cleanly."""
     import jax

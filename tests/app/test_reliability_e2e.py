@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from satjax.config import load_config
 from satjax.factory import build_tokenizer, model_config
@@ -68,6 +69,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_then_sigterm(tmp_path):
     run_dir = tmp_path / "run"
     proc = _train(run_dir)
@@ -142,6 +144,7 @@ def _batches(steps):
     return out, means
 
 
+@pytest.mark.slow
 def test_stop_with_the_next_batch_prefetched_then_resume_trains_the_same_batches(tmp_path):
     steps = 30
     data, reward_means = _batches(steps)

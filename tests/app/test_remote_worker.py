@@ -49,6 +49,7 @@ def _puts(log: Path) -> int:
     return len(re.findall(rf"put group \w+: {GROUP} of {GROUP} stored", log.read_text()))
 
 
+@pytest.mark.slow
 def test_separate_worker_feeds_trainer_and_a_killed_worker_loses_no_put_group(
         tmp_path, satjax_env):
     env = {**satjax_env, "SATJAX_QUEUE_TOKEN": TOKEN}

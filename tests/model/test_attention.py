@@ -98,6 +98,7 @@ BLOCKWISE_CASES = [
 
 
 @pytest.mark.parametrize("b,t,h,hkv,d,block,dtype,padding", BLOCKWISE_CASES)
+@pytest.mark.slow
 def test_blockwise_values_and_grads_equal_reference(b, t, h, hkv, d, block, dtype, padding):
     _check(functools.partial(blockwise_attention, block_size=block), b, t, h, hkv, d, dtype,
            padding)
@@ -116,12 +117,14 @@ def test_blockwise_rows_without_a_valid_key_are_zero():
     (2, 200, 4, 2, 64, jnp.float32, "any"),   # T padded to 256, GQA 2
     (2, 128, 4, 1, 64, jnp.bfloat16, "right"),  # MQA
 ])
+@pytest.mark.slow
 def test_splash_interpret_values_and_grads_equal_reference(b, t, h, hkv, d, dtype, padding):
     _check(functools.partial(splash_attention, block_size=128, interpret=True), b, t, h, hkv,
            d, dtype, padding)
 
 
 @pytest.mark.parametrize("t,h,hkv,dtype", [(96, 8, 2, jnp.float32), (72, 4, 1, jnp.bfloat16)])
+@pytest.mark.slow
 def test_cudnn_arguments_through_xla_equal_reference(t, h, hkv, dtype):
     """The cuDNN path's call (lengths from valid, is_causal) run by XLA's implementation:
     the kernel itself needs an NVIDIA GPU."""
@@ -161,6 +164,7 @@ def _temp_bytes(attend, t):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_blockwise_memory_grows_linearly_reference_quadratically():
     """Doubling T (2048 -> 4096): blockwise temporaries at most 2.5x (linear is 2x), the
     reference's at least 3.5x (its [T, T] probabilities: 4x)."""
@@ -176,6 +180,7 @@ def test_blockwise_memory_grows_linearly_reference_quadratically():
     functools.partial(blockwise_attention, block_size=32),
     functools.partial(splash_attention, block_size=128, interpret=True),
 ], ids=["blockwise", "splash"])
+@pytest.mark.slow
 def test_sharded_equals_single_device(attend):
     """On 8 devices, batch over "data" (4) and heads over "tensor" (2), the per-shard run
     equals the single-device one."""
@@ -195,6 +200,7 @@ def test_sharded_equals_single_device(attend):
         np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_model_blockwise_equals_reference_and_scans():
     """Final hidden states on valid rows and parameter gradients of the token
     log-likelihood (right- and left-padded rows), blockwise (scanned layers, 2 blocks of

@@ -54,6 +54,7 @@ def test_config_layout_and_hf_roundtrip():
         Qwen3MoeConfig.from_hf_dict({**cfg.to_hf_dict(), "rope_parameters": {"rope_type": "yarn"}})
 
 
+@pytest.mark.slow
 def test_shapes_dtypes_and_axis_names(cfg, model):
     ids = _ids(cfg)
     out = _fwd(model, ids, None, None)
@@ -102,6 +103,7 @@ def test_route_matches_hf_semantics():
         np.testing.assert_allclose(weights, ref_w, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_ragged_and_dense_dispatch_agree_with_loop_reference():
     n, d, f, e, k = 24, 8, 12, 6, 2
     keys = jax.random.split(jax.random.key(1), 5)
@@ -123,6 +125,7 @@ def test_ragged_and_dense_dispatch_agree_with_loop_reference():
 
 
 @pytest.mark.parametrize("routes", ["balanced", "skewed", "one_expert", "idle_experts"])
+@pytest.mark.slow
 def test_grouped_values_and_gradients_equal_autodiff_of_dense(routes):
     """grouped's hand-written backward vs autodiff of the dense reference, on loads that
     take full chunks, tail chunks, chunks running past an expert's rows into the next
@@ -152,6 +155,7 @@ def test_grouped_values_and_gradients_equal_autodiff_of_dense(routes):
 
 
 @pytest.mark.parametrize("impl", ["grouped", "ragged", "dense_einsum"])
+@pytest.mark.slow
 def test_replay_own_routes_is_exact(cfg, model, impl):
     assert model.layers[0].mlp.moe_impl == "grouped"  # "auto" on CPU
     if impl != "grouped":
@@ -203,6 +207,7 @@ def _reference(impl):
     return _REFERENCE[impl]
 
 
+@pytest.mark.slow
 def test_replay_other_routes_changes_output_and_trains_router():
     cfg, model, _, _, ids, mask, other, ((_, logits), grads) = _reference("grouped")
     own = _fwd(model, ids, mask, None)
@@ -224,6 +229,7 @@ def test_replay_other_routes_changes_output_and_trains_router():
                                             ("grouped", AxisType.Explicit),
                                             ("ragged", AxisType.Auto),
                                             ("dense_einsum", AxisType.Auto)])
+@pytest.mark.slow
 def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
     """Sharded run of each impl vs the unsharded "grouped" reference (identical weights)."""
     assert jax.device_count() == 8
@@ -251,6 +257,7 @@ def test_expert_sharded_forward_and_grad_equal_unsharded(impl, axis_type):
                                ref_grad["layers"][1]["mlp"]["gate"][...], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_scan_layers_equals_unrolled():
     """scan_layers=True computes the same outputs, replay and gradients as the unrolled loop."""
     cfg = Qwen3MoeConfig.tiny(num_hidden_layers=3, initializer_range=0.1)
@@ -265,14 +272,17 @@ def test_scan_layers_equals_unrolled():
     np.testing.assert_allclose(b.logits, a.logits, atol=1e-5)
     np.testing.assert_array_equal(b.experts_used, other)
 
-    def loss(m):
+    @nnx.jit  # one compile per layout instead of an eager dispatch per op
+    @nnx.grad
+    def grad(m):
         return m(ids).logits.mean()
 
-    for x, y in zip(jax.tree.leaves(nnx.grad(loss)(unrolled)),
-                    jax.tree.leaves(nnx.grad(loss)(scanned)), strict=True):
+    for x, y in zip(jax.tree.leaves(grad(unrolled)), jax.tree.leaves(grad(scanned)),
+                    strict=True):
         np.testing.assert_allclose(y, x, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_grouped_dispatch_runs_per_batch_shard_under_a_data_mesh():
     """Under a data-parallel mesh each device sorts and runs only its own tokens: the
     compiled expert loops carry the local rows, not the whole batch's (a global sort

@@ -89,6 +89,7 @@ def _compare(sj_model, hf_model, padded):
 
 
 @pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.slow
 def test_hf_to_satjax(tmp_path, padded):
     hf_model = _random_hf_model()
     hf_model.save_pretrained(tmp_path)
@@ -97,6 +98,7 @@ def test_hf_to_satjax(tmp_path, padded):
     _compare(model, hf_model, padded)
 
 
+@pytest.mark.slow
 def test_hf_tied_embeddings_and_sparse_step(tmp_path):
     hf_model = _random_hf_model(seed=3, tie_word_embeddings=True, mlp_only_layers=[],
                                 decoder_sparse_step=2, norm_topk_prob=False,
@@ -107,6 +109,7 @@ def test_hf_tied_embeddings_and_sparse_step(tmp_path):
     _compare(model, hf_model, padded=True)
 
 
+@pytest.mark.slow
 def test_satjax_to_hf(tmp_path):
     cfg = Qwen3MoeConfig.tiny(initializer_range=0.15, mlp_only_layers=(1,))
     model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(7))

@@ -1,6 +1,8 @@
 """Rematerialised decoder layers and the chunked LM head: same values and gradients as the
 plain forward, less memory (read from XLA's buffer assignment of the compiled gradient)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,7 @@ def _assert_grads_close(a, b, rtol):
                                                      np.abs(x - y).max() / scale)
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_equal_one_chunk_values_and_gradients():
     r = np.random.default_rng(0)
     b, t, d, v = 2, 37, 16, 50  # 37 = 4 chunks of 10, the last one padded
@@ -92,31 +95,47 @@ def test_chunked_head_holds_one_chunk_of_logits():
     assert eight < full_logits / 3
 
 
+@pytest.mark.slow
 def test_token_logprobs_in_chunks_equal_the_full_heads():
     model = Qwen3MoeForCausalLM(CFG, rngs=nnx.Rngs(0))
     ids, mask = _batch()
-    logits = model(ids, attention_mask=mask).logits
-    ref = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], axis=-1),
-                              ids[:, 1:, None], axis=-1)[..., 0]
-    ref = jnp.pad(ref, ((0, 0), (1, 0))) * mask
-    lp, _ = token_logprobs(model, ids, mask, chunk=5)
+
+    @nnx.jit  # one compile instead of an eager dispatch (and compile) per op
+    def reference_and_chunked(model, ids, mask):
+        logits = model(ids, attention_mask=mask).logits
+        ref = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], axis=-1),
+                                  ids[:, 1:, None], axis=-1)[..., 0]
+        return jnp.pad(ref, ((0, 0), (1, 0))) * mask, token_logprobs(model, ids, mask,
+                                                                     chunk=5)[0]
+
+    ref, lp = reference_and_chunked(model, ids, mask)
     np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
     (v1, g1), (v5, g5) = (_grad_of_logprobs(model, ids, mask, chunk=c) for c in (512, 5))
     np.testing.assert_allclose(v5, v1, rtol=1e-6)
     _assert_grads_close(g1, g5, rtol=1e-5)
 
 
+@functools.cache
+def _grad_without_remat(scan_layers: bool):
+    """The reference of each remat mode (compiled once per layout, not once per mode)."""
+    model = Qwen3MoeForCausalLM(CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers)
+    return _grad_of_logprobs(model, *_batch(), remat="none")
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(remat, scan_layers):
     # all layers MoE, so scan_layers really scans
     model = Qwen3MoeForCausalLM(CFG, rngs=nnx.Rngs(0), scan_layers=scan_layers)
     ids, mask = _batch()
-    (v0, g0), (v1, g1) = (_grad_of_logprobs(model, ids, mask, remat=r) for r in ("none", remat))
+    v0, g0 = _grad_without_remat(scan_layers)
+    v1, g1 = _grad_of_logprobs(model, ids, mask, remat=remat)
     np.testing.assert_allclose(v1, v0, rtol=1e-6)
     _assert_grads_close(g0, g1, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_keeps_only_the_layer_inputs():
     # With the layers scanned, each extra layer adds its whole activations to the
     # gradient's temporaries without remat, and little more than its input with "full".
@@ -154,6 +173,7 @@ def test_unknown_remat_is_refused():
 
 
 @pytest.mark.parametrize("impl", ["grouped", "ragged"])
+@pytest.mark.slow
 def test_moe_token_chunks_give_the_same_values_and_gradients(impl):
     from satjax.model.moe import _IMPLS, in_token_chunks, route
 

@@ -100,6 +100,7 @@ def _check_against_teacher(model, completions, params):
     return logits
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_and_routes_equal_teacher_forced(model):
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12)
     completions = sample(model, PROMPTS, params, rng=jax.random.key(1))
@@ -112,6 +113,7 @@ def test_sampled_logprobs_and_routes_equal_teacher_forced(model):
                for a, b in zip(completions, again, strict=True))
 
 
+@pytest.mark.slow
 def test_greedy_equals_argmax_and_stop_tokens(model):
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     completions = sample(model, PROMPTS, params, rng=jax.random.key(0))
@@ -133,6 +135,7 @@ def test_greedy_equals_argmax_and_stop_tokens(model):
     assert stopped[1].finish_reason == "stop" and len(stopped[1].response_tokens) <= 4
 
 
+@pytest.mark.slow
 def test_bf16_sampling_expert_flip_fraction(model):
     params = SamplingParams(temperature=1.0, max_new_tokens=12)
     bf16 = sample(model, PROMPTS, params, rng=jax.random.key(3), dtype=jnp.bfloat16)

@@ -66,13 +66,12 @@ def test_malformed_bytes_raise_wire_error(make_traj):
 def test_batch_reply_splice_parses_with_protobuf_and_decodes_back(
         make_traj, full_traj, assert_same):
     trajs = [full_traj(8), make_traj("b", "g")]
-    raw = encode_batch_reply([encode(t) for t in trajs], 7, {-1: 1, 3: 1}, 2)
+    raw = encode_batch_reply([encode(t) for t in trajs], 7, 2)
     reply = pb2.GetBatchReply.FromString(raw)
     assert reply.cursor == 7 and reply.dropped_stale == 2
-    assert dict(reply.lag_histogram) == {-1: 1, 3: 1}
     assert [t.trajectory_id for t in reply.trajectories] == ["traj-ü", "b"]
-    back, cursor, hist, dropped = decode_batch_reply(raw)
-    assert cursor == 7 and dropped == 2 and hist == {-1: 1, 3: 1}
+    back, cursor, dropped = decode_batch_reply(raw)
+    assert cursor == 7 and dropped == 2
     for a, b in zip(trajs, back, strict=True):
         assert_same(a, b)
 

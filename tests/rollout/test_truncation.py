@@ -48,6 +48,7 @@ def _queue(tmp_path, max_seq_len):
     return server, client
 
 
+@pytest.mark.slow
 def test_truncated_kept_marked_and_penalised_and_refusal_stops_the_worker(tmp_path):
     # no stop token: every response runs to max_new_tokens (cut, "length")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=())

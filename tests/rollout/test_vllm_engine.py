@@ -105,6 +105,7 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return [encode_prompt(tok, next(it)) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_logprobs_and_routes_match_satjax(served):
     engine, model, tok = served["engine"], served["models"][0], served["tok"]
     assert engine.version == 0 and engine.weight_version() == "0"
@@ -146,6 +147,7 @@ def _nudged(model, paths, scale):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+@pytest.mark.slow
 def test_delta_versions_update_in_place(served):
     """The server started from v0 (its plug-in has no mirror yet) follows delta versions
     in place: v1 changes a few tensors and vLLM gets only them and their load groups
@@ -194,6 +196,7 @@ def test_delta_versions_update_in_place(served):
         np.testing.assert_array_equal(c.routed_experts, ref[1])
 
 
+@pytest.mark.slow
 def test_weight_update_worker_stamps_new_version(served):
     from satjax.queue.client import QueueClient
     from satjax.queue.server import QueueServer

@@ -51,6 +51,7 @@ def queue(tmp_path):
     server.stop(1.0)
 
 
+@pytest.mark.slow
 def test_builtin_worker_through_queue_with_weight_sync(tmp_path, queue):
     tok = CharTokenizer()
     task = ArithmeticTask()
@@ -94,6 +95,7 @@ def jax_log_softmax(x):
     return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
 
 
+@pytest.mark.slow
 def test_canary_catches_wrong_weights(tmp_path, queue):
     """Weights that do not reproduce the trainer's canary are refused, not served."""
     tok = CharTokenizer()
@@ -109,6 +111,7 @@ def test_canary_catches_wrong_weights(tmp_path, queue):
         worker.maybe_sync()
 
 
+@pytest.mark.slow
 def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     """A bf16 engine routes some tokens differently from the fp32 trainer; with routing
     replay the trainer applies exactly the engine's experts (flip rate 0)."""
@@ -161,6 +164,7 @@ def test_make_engine_builds_the_configured_engine():
         make_engine(RolloutConfig(engine="builtin", sample_dtype="int8"), tok)
 
 
+@pytest.mark.slow
 def test_each_group_is_its_own_put(tmp_path, queue):
     """A batch of groups goes to the queue one group per put, so a worker that dies
     between puts has delivered every group it finished before."""
@@ -190,6 +194,7 @@ def test_each_group_is_its_own_put(tmp_path, queue):
     assert stats["accepted_total"] == 12 and stats["incomplete_groups"] == 0
 
 
+@pytest.mark.slow
 def test_worker_waits_for_files_that_arrive_after_the_manifest(tmp_path, queue):
     """On a bucket mount a version's files appear one by one: a worker that sees the
     manifest first waits for the weights instead of failing or loading half a version."""
@@ -225,6 +230,7 @@ class _CountingEngine(BuiltinEngine):
         super().apply_deltas(delta_dirs, version)
 
 
+@pytest.mark.slow
 def test_builtin_worker_follows_delta_versions_bit_exactly(tmp_path):
     """A worker that follows delta versions (one at a time, then two at once) serves the
     very weights of a full load of the last version; one that starts late rebuilds it

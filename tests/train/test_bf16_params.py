@@ -11,6 +11,7 @@ from satjax.train.metrics import MetricsLogger, to_scalars
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_bf16_master_weights_pass_the_builtin_engines_canary(tiny_model, mesh_of, tmp_path,
                                                              dtype):
     from satjax.rollout.builtin_engine import BuiltinEngine

@@ -30,6 +30,7 @@ def abstract_state(make_state):
     return lambda: nnx.split(nnx.eval_shape(lambda: make_state(0)))[1]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path, train, fresh_state, abstract_state, host, mesh_of,
                                  synthetic_batch):
     BATCHES = [synthetic_batch(100 + i, routed=True) for i in range(20)]  # noqa: N806
@@ -51,6 +52,7 @@ def test_resume_is_bit_identical(tmp_path, train, fresh_state, abstract_state, h
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path, make_state, mesh_of, abstract_state):
     src_mesh = mesh_of((8, 1, 1, 1))
     state = nnx.split(make_state(3))[1]

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from satjax.utils import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +30,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_slurm_environment_is_detected(tmp_path):
     # JAX derives the port from the job id unless JAX_COORDINATOR_PORT says (a free one)
     port = free_port()

@@ -37,6 +37,7 @@ def _fresh(step, make_state):
     return step.place_state(nnx.split(make_state(0))[1])
 
 
+@pytest.mark.slow
 def test_updates_per_batch_equal_a_loop_of_single_steps(make_state, mesh_of, synthetic_batch,
                                                         host):
     batch = synthetic_batch(3, B=8, group_size=4)
@@ -110,6 +111,7 @@ def _numpy_terms(model, batch, ref_model, estimator):
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.slow
 def test_reference_kl_and_entropy_terms(make_state, mesh_of, synthetic_batch, tiny_model,
                                         host, grad_accum):
     batch = synthetic_batch(4, B=8, group_size=4)
@@ -181,6 +183,7 @@ def test_kl_penalty_matches_numpy(estimator):
 
 
 @pytest.mark.parametrize("chunk", [3, 64])  # scanned chunks, one block
+@pytest.mark.slow
 def test_chunked_entropy_matches_numpy(chunk):
     r = np.random.default_rng(1)
     B, T, D, V = 2, 7, 5, 11

@@ -38,6 +38,7 @@ def tiny():
     return cfg, model_config(cfg, build_tokenizer(cfg))
 
 
+@pytest.mark.slow
 def test_step_memory_of_the_tiny_run_on_8_devices(tiny):
     cfg, shape = tiny
     one = compile_step(cfg, shape, micro_batch=1, seq_len=256)
@@ -57,6 +58,7 @@ def test_step_memory_of_the_tiny_run_on_8_devices(tiny):
         compile_step(odd_groups, shape, micro_batch=1, seq_len=16)
 
 
+@pytest.mark.slow
 def test_model_flops_agree_with_the_analytic_count(tiny):
     cfg, _ = tiny
     # a shape where the weight matmuls dominate (attention 5/8 vs 1/2 of T x T aside)

@@ -45,6 +45,7 @@ def float32_run(run):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
+@pytest.mark.slow
 def test_bf16_compute_trains_like_float32(shape, run, float32_run):
     # Tolerances, from bf16's 8-bit mantissa over 2 SGD steps of the tiny model (measured
     # here: loss 0.5%, grad norm 0.2%, updates 3% apart): loss within 2%, gradient
@@ -65,6 +66,7 @@ def test_bf16_compute_trains_like_float32(shape, run, float32_run):
         assert leaf.dtype == np.float32
 
 
+@pytest.mark.slow
 def test_with_dtype_shares_the_parameters(tiny_model):
     cfg = tiny_model().config
     bf16 = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
@@ -78,6 +80,7 @@ def test_with_dtype_shares_the_parameters(tiny_model):
                               canary_logprobs(f32, tokens))).max() > 1e-4
 
 
+@pytest.mark.slow
 def test_published_canary_is_float32_under_bf16_compute(tiny_model, mesh_of, tmp_path):
     # the engines compute their canary in float32 (BuiltinEngine's atol 1e-4): a trainer
     # computing in bf16 must publish the float32 value of the same weights

@@ -84,6 +84,7 @@ def files_written(out: Path, tag: str, nproc: int) -> list[list[str]]:
     return [json.loads((out / f"files-{tag}-{i}.json").read_text()) for i in range(nproc)]
 
 
+@pytest.mark.slow
 def test_two_processes_train_and_publish_like_one_and_their_checkpoint_restores_elsewhere(
         tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
@@ -129,6 +130,7 @@ def test_two_processes_train_and_publish_like_one_and_their_checkpoint_restores_
 
 
 @pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.slow
 def test_killing_one_process_stops_the_other(tmp_path, victim):
     port = free_port()
     logs = [tmp_path / f"p{i}.log" for i in range(2)]

@@ -28,6 +28,7 @@ def _leaves(state):
 
 
 @pytest.mark.parametrize("how", ["reward_1e308", "nan_logprob"])
+@pytest.mark.slow
 def test_nonfinite_batch_leaves_params_unchanged_and_is_counted(
         how, cached_step, make_state, synthetic_batch, host):
     step = cached_step()

@@ -135,6 +135,7 @@ def test_init_distributed_arguments_and_environment():
         parallel.init_distributed(initialize=init, environ={**env, "SATJAX_PROCESS_ID": "x"})
 
 
+@pytest.mark.slow
 def test_sharded_step_compiles_without_full_rematerialization(capfd, make_state, mesh_of,
                                                               synthetic_batch):
     """Activation constraints at layer boundaries keep GSPMD from resharding whole tensors

@@ -55,6 +55,7 @@ def version_tensors(path) -> dict[str, np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 def test_layout_round_trips_and_equals_save_pretrained(sharded, tmp_path):
     model, mesh = sharded
     pub = ShardedPublisher(WeightPublisher(tmp_path / "w"), mesh, TOKENS)
@@ -90,6 +91,7 @@ def test_layout_round_trips_and_equals_save_pretrained(sharded, tmp_path):
         check_canary(manifest, np.asarray(canary(loaded)).tolist(), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_snapshot_survives_donation_and_a_failed_write_surfaces(sharded, tmp_path,
                                                                monkeypatch):
     """publish() returns at once: the files hold the weights of the publish call although
@@ -148,6 +150,7 @@ def _nudged(model, paths, scale):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+@pytest.mark.slow
 def test_delta_versions_round_trip_bit_exactly_in_bf16(sharded, tmp_path):
     """Versions 0..4 of a float32 model published as bfloat16 with a keyframe every 3:
     0 and 3 full, 1, 2, 4 deltas of the version before. Following them (each version, and

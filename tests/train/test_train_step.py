@@ -64,6 +64,7 @@ def reference_objective(forward):
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 1, 4, 1), (1, 2, 2, 2)])
+@pytest.mark.slow
 def test_sharded_step_matches_single_device(reference, shape, run_steps, cached_step, batches):
     ref_state, ref_metrics = reference
     state, metrics = run_steps(batches, shape)
@@ -76,6 +77,7 @@ def test_sharded_step_matches_single_device(reference, shape, run_steps, cached_
     assert cached_step(shape).num_compilations == 1
 
 
+@pytest.mark.slow
 def test_step_updates_params_and_reports_metrics(reference, make_state, host, batches):
     ref_state, ref_metrics = reference
     init = host(nnx.state(make_state(0)))
@@ -92,6 +94,7 @@ def test_step_updates_params_and_reports_metrics(reference, make_state, host, ba
     np.testing.assert_allclose([x["learning_rate"] for x in ref_metrics], [0.1, 0.05])
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
     ref_state, ref_metrics = reference
     acc, acc_metrics = run_steps(batches, grad_accum=2)
@@ -101,6 +104,7 @@ def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
     assert_trees_close(acc["model"], ref_state["model"])
 
 
+@pytest.mark.slow
 def test_replay_with_own_routes_equals_no_replay(forward, run_steps, batches):
     batch = batches[0]
     _, out = forward(batch)
@@ -113,6 +117,7 @@ def test_replay_with_own_routes_equals_no_replay(forward, run_steps, batches):
     assert_trees_close(on["model"], off["model"])
 
 
+@pytest.mark.slow
 def test_replay_matters_for_foreign_routes(reference, run_steps, batches, reference_objective):
     _, m_on = reference
     _, m_off = run_steps(batches[:1], replay=False)
@@ -138,6 +143,7 @@ def test_every_objective_traces_in_the_step(name, make_state, mesh_of, batches):
     assert step.num_compilations == 1
 
 
+@pytest.mark.slow
 def test_precomputed_advantages_and_compile_counter(
     cached_step, run_steps, make_state, synthetic_batch, batches, reference_objective
 ):
@@ -212,6 +218,7 @@ def test_staleness_metrics_match_numpy_on_a_small_batch():
     assert float(same["token_gate_frac"]) == float(same["token_extreme_frac"]) == 0.0
 
 
+@pytest.mark.slow
 def test_step_logs_staleness_kl_and_grad_norm_of_its_batch(run_steps, batches, forward,
                                                            make_state):
     batch = batches[0]
