@@ -172,7 +172,7 @@ def _check_overrides(cfg: Config) -> None:
 def check_token(cfg: Config) -> None:
     """The queue token ``satjax train`` will use (``queue.token``, else the environment's)
     meets the queue server's rule, so that a short one fails here, not at the first call."""
-    from satjax.queue.server import MIN_TOKEN_CHARS, TOKEN_ENV
+    from satjax.queue.protocol import MIN_TOKEN_CHARS, TOKEN_ENV
 
     key, token = (("config key 'queue.token'", cfg.queue.token) if cfg.queue.token
                   else (f"environment variable {TOKEN_ENV}", os.environ.get(TOKEN_ENV, "")))
