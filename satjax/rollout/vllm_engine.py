@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from satjax.rollout.engine import Completion, SamplingParams
+from satjax.rollout.engine import Completion, SamplingParams, Sync
 from satjax.utils import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +152,7 @@ class VllmEngine:
         max_concurrency: int = 64,
         log_dir: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
+        record_router_logits: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -169,6 +170,7 @@ class VllmEngine:
         self.max_concurrency = max_concurrency
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="satjax-vllm-"))
         self.extra_args = tuple(extra_args)
+        self.record_router_logits = record_router_logits
         self.version: int | None = None
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -332,7 +334,8 @@ class VllmEngine:
         self.version = int(version)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+        sync: Sync | None = None,
     ) -> list[Completion]:
         """One completion per prompt; requests run concurrently (vLLM batches them)."""
         if not prompts:

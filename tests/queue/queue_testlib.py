@@ -151,7 +151,8 @@ def from_proto(msg: pb2.Trajectory) -> Trajectory:
         policy_version=int(msg.policy_version), reward=float(msg.reward),
         group_size=int(msg.group_size), reward_details=dict(msg.reward_details),
         finish_reason=msg.finish_reason, routed_experts=routes, routed_gates=gates,
-        router_logits=logits, token_versions=versions, engine=msg.engine, created_unix=float(msg.timing.created_unix),
+        router_logits=logits, token_versions=versions, engine=msg.engine,
+        created_unix=float(msg.timing.created_unix),
         generation_seconds=float(msg.timing.generation_seconds))
 
 
