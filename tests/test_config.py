@@ -44,7 +44,7 @@ def test_overrides_typed(tmp_path):
                                  "train.weight_decay=1e-3"])
     assert cfg.train.weight_decay == 1e-3
     assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.07, "lam": 0.5}
-    assert cfg.train.steps == 7 and cfg.train.replay is False
+    assert cfg.train.steps == 7 and cfg.train.replay == "off"
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.mesh.expert == 4
 
@@ -258,3 +258,15 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
     (other / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
     check_resources(load_config(paper, [f"model.path={other}", "task.name=arithmetic",
                                         "train.mesh={data: 8}", "rollout.engine=builtin"]))
+
+
+def test_replay_modes_and_their_boolean_spellings():
+    """train.replay: off | experts | gates; true keeps meaning experts, false (and YAML's
+    bare off) off; anything else names the key."""
+    for value, mode in (("true", "experts"), ("false", "off"), ("off", "off"),
+                        ("experts", "experts"), ("gates", "gates")):
+        assert load_config(overrides=[f"train.replay={value}"]).train.replay == mode
+    assert load_config().train.replay == "experts"
+    with pytest.raises(ConfigError, match="'train.replay': must be one of 'off', 'experts', "
+                                          "'gates'"):
+        load_config(overrides=["train.replay=logits"])
