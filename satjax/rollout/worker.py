@@ -47,7 +47,7 @@ from satjax.data.prompts import PromptFormat
 from satjax.data.rewards import overlong_penalty
 from satjax.data.tasks import Example
 from satjax.queue.client import QueueStorageError
-from satjax.rollout.engine import Completion, Engine, SamplingParams
+from satjax.rollout.engine import Completion, Engine, SamplingParams, Sync
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import (
     WeightSubscriber,
@@ -180,9 +180,11 @@ class RolloutWorker:
         return True
 
     # -- one batch -----------------------------------------------------------------
-    def generate_groups(self) -> list[Trajectory]:
+    def generate_groups(self, sync: Sync | None = None) -> list[Trajectory]:
         """Samples one batch of groups with the loaded weights and scores it; the groups
-        are contiguous, ``group_size`` trajectories each."""
+        are contiguous, ``group_size`` trajectories each. ``sync``: what the engine calls
+        between decode segments (default: :meth:`maybe_sync` under ``partial``, nothing
+        otherwise)."""
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
         prompts = [encode_prompt(self.tok, ex, cfg.prompt)
@@ -194,9 +196,9 @@ class RolloutWorker:
         if version is None:
             raise RuntimeError("generate_groups called before any weights were loaded")
         t0 = time.time()
-        completions = self.engine.generate(prompts, cfg.sampling, seed,
-                                           sync=(self.maybe_sync if cfg.partial and self.subscriber
-                                                 else None))
+        if sync is None and cfg.partial and self.subscriber is not None:
+            sync = self.maybe_sync
+        completions = self.engine.generate(prompts, cfg.sampling, seed, sync=sync)
         seconds = (time.time() - t0) / max(1, len(completions))
         out = []
         for g, ex in enumerate(examples):
