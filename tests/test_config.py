@@ -270,3 +270,14 @@ def test_replay_modes_and_their_boolean_spellings():
     with pytest.raises(ConfigError, match="'train.replay': must be one of 'off', 'experts', "
                                           "'gates'"):
         load_config(overrides=["train.replay=logits"])
+
+
+def test_router_record_options_need_what_they_use():
+    with pytest.raises(ConfigError, match="'train.replay': must be 'off' or 'experts' unless "
+                                          "rollout.record_routes"):
+        load_config(overrides=["train.replay=gates", "rollout.record_routes=false"])
+    for key in ("train.replay=gates", "rollout.record_router_logits=true",
+                "rollout.partial=true"):
+        with pytest.raises(ConfigError, match=f"'{key.split('=')[0]}': must be off with "
+                                              "rollout.engine 'vllm'"):
+            load_config(overrides=[key, "rollout.engine=vllm"])

@@ -160,6 +160,9 @@ class VllmEngine:
             raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
+        if record_router_logits:
+            raise ValueError("record_router_logits: not supported by the vLLM engine yet (its "
+                             "plug-in records the routed expert ids only)")
         self.python = resolve_python(python or "")
         self.dtype = dtype
         self.canary_atol = _CANARY_ATOL[dtype]
@@ -170,7 +173,6 @@ class VllmEngine:
         self.max_concurrency = max_concurrency
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="satjax-vllm-"))
         self.extra_args = tuple(extra_args)
-        self.record_router_logits = record_router_logits
         self.version: int | None = None
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -337,7 +339,10 @@ class VllmEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
         sync: Sync | None = None,
     ) -> list[Completion]:
-        """One completion per prompt; requests run concurrently (vLLM batches them)."""
+        """One completion per prompt; requests run concurrently (vLLM batches them). No
+        ``sync``: a batch is sampled by one version (no partial rollouts yet)."""
+        if sync is not None:
+            raise ValueError("sync: partial rollouts are not supported by the vLLM engine yet")
         if not prompts:
             raise ValueError("prompts must be a non-empty list")
         if any(len(p) == 0 for p in prompts):
