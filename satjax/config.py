@@ -34,6 +34,21 @@ MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum"]
 AttentionImpl = Literal["auto", "reference", "blockwise", "cudnn", "splash"]
 Remat = Literal["none", "full", "dots"]
 FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
+# train.replay: what of the engine's router record the trainer's forward uses (off: its own
+# routing; experts: R3, the engine's experts with the trainer's gate weights; gates: the
+# engine's experts and gate weights, straight-through). YAML's true/false mean experts/off.
+Replay = Literal["off", "experts", "gates"]
+REPLAY_MODES: tuple[str, ...] = typing.get_args(Replay)
+
+
+def replay_mode(value: bool | str) -> Replay:
+    """``train.replay`` as one of :data:`REPLAY_MODES` (true: "experts", false: "off")."""
+    if value is True or value is False:
+        return "experts" if value else "off"
+    if value not in REPLAY_MODES:
+        raise ValueError(f"replay: must be one of {', '.join(REPLAY_MODES)} (or true/false), "
+                         f"got {value!r}")
+    return typing.cast(Replay, value)
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
@@ -130,7 +145,13 @@ class RolloutConfig:
     top_k: int = 0
     max_new_tokens: int = 4
     sample_dtype: Dtype = "bfloat16"
-    record_routes: bool = True
+    record_routes: bool = True  # each token's routed experts and their gate weights
+    # also the full router logits (float16 [tokens, L, E], 16x the ids at 128 experts):
+    # the trainer logs router_kl from them
+    record_router_logits: bool = False
+    # partial rollouts: a worker that gets new weights mid-batch goes on with them (the
+    # built-in sampler keeps its KV cache); every token records its version
+    partial: bool = False
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
     # extra stop strings (the tokenizer's EOS and generation_config eos ids always stop)
     stop: tuple[str, ...] = ()
@@ -175,7 +196,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     remat: Remat = "none"  # per decoder layer: full keeps only its input, dots also matmuls
-    replay: bool = True
+    # off | experts (R3) | gates: see Replay above; true/false are read as experts/off
+    replay: Literal["off", "experts", "gates", True, False] = "experts"
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
     # published weights: every Nth version full, the others XOR deltas of the one before
@@ -196,6 +218,9 @@ class TrainConfig:
     # after max_fetches fetches (each asks for what is missing) train on what the batch has
     drop_uniform_groups: bool = False
     max_fetches: int = 8
+
+    def __post_init__(self) -> None:
+        self.replay = replay_mode(self.replay)
 
 
 @dataclasses.dataclass
@@ -425,6 +450,16 @@ def _check_values(cfg: Config) -> None:
     need(0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_new_tokens,
          "rollout.overlong_buffer", ">= 0 and < rollout.max_new_tokens")
     need(cfg.rollout.overlong_penalty >= 0, "rollout.overlong_penalty", ">= 0")
+    need(cfg.train.replay != "gates" or cfg.rollout.record_routes, "train.replay",
+         "'off' or 'experts' unless rollout.record_routes is on (gate replay needs the "
+         "engine's experts and gate weights)")
+    # the vLLM worker plug-in records expert ids only so far (docs/vllm.md)
+    for key, on in (("train.replay", cfg.train.replay == "gates"),
+                    ("rollout.record_router_logits", cfg.rollout.record_router_logits),
+                    ("rollout.partial", cfg.rollout.partial)):
+        need(not (on and cfg.rollout.engine == "vllm"), key,
+             "off with rollout.engine 'vllm' (its plug-in records expert ids only: no gate "
+             "weights, router logits or mid-batch weight updates yet)")
     need(cfg.task.reward in ("", "math_verify", "exact") or cfg.task.reward.count(":") == 1,
          "task.reward", "'', 'math_verify', 'exact' or 'module:function'")
     need(cfg.task.name == "jsonl" or not cfg.task.eval_path, "task.eval_path",

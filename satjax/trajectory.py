@@ -26,7 +26,17 @@ class Trajectory:
                                          is never fed back during sampling, so like vLLM we
                                          store P + N - 1 rows; by causality the trainer may
                                          route that final position freely.
-      router_logits:      float16 [P + N - 1, L, E] or None.
+      routed_gates:       float16 [P + N - 1, L, k] or None. The engine's gate weights of
+                                         ``routed_experts`` (its normalised top-k router
+                                         probabilities), same rows and order.
+      router_logits:      float16 [P + N - 1, L, E] or None. The engine's full router logits
+                                         (``rollout.record_router_logits``).
+      token_versions:     int32   [N] or None. The policy version that sampled each response
+                                         token (a partial rollout spans several); None: all
+                                         of them ``policy_version``. When set,
+                                         ``policy_version`` is its minimum (the oldest
+                                         token), so the queue's lag rule and ``max_lag``
+                                         apply to the oldest token.
     """
 
     trajectory_id: str
@@ -41,7 +51,9 @@ class Trajectory:
     reward_details: dict[str, float] = dataclasses.field(default_factory=dict)
     finish_reason: str = "length"
     routed_experts: np.ndarray | None = None
+    routed_gates: np.ndarray | None = None
     router_logits: np.ndarray | None = None
+    token_versions: np.ndarray | None = None
     engine: str = ""
     created_unix: float = 0.0
     generation_seconds: float = 0.0
@@ -50,6 +62,19 @@ class Trajectory:
     def truncated(self) -> bool:
         """Cut at ``max_new_tokens`` rather than ended by a stop token."""
         return self.finish_reason == "length"
+
+    @property
+    def versions(self) -> np.ndarray:
+        """int32 [N]: the version that sampled each response token."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, np.int32)
+        return np.full(len(self.response_tokens), self.policy_version, np.int32)
+
+    @property
+    def partial(self) -> bool:
+        """Sampled by more than one policy version (a partial rollout)."""
+        v = self.versions
+        return bool(v.size) and int(v.min()) != int(v.max())
 
     @property
     def num_tokens(self) -> int:

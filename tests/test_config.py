@@ -46,7 +46,7 @@ def test_overrides_typed(tmp_path):
                                  "train.weight_decay=1e-3"])
     assert cfg.train.weight_decay == 1e-3
     assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.07, "lam": 0.5}
-    assert cfg.train.steps == 7 and cfg.train.replay is False
+    assert cfg.train.steps == 7 and cfg.train.replay == "off"
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.mesh.expert == 4
 
@@ -274,3 +274,26 @@ def test_config_digest_is_of_the_values_the_run_is(tmp_path):
     for change in ("task.max_digits=3", "objective.hparams.eps_low=2e-3", "seed=1",
                    "model.overrides={num_experts: 4}"):
         assert config_digest(load_config(path, [change])) != digest, change
+
+
+def test_replay_modes_and_their_boolean_spellings():
+    """train.replay: off | experts | gates; true keeps meaning experts, false (and YAML's
+    bare off) off; anything else names the key."""
+    for value, mode in (("true", "experts"), ("false", "off"), ("off", "off"),
+                        ("experts", "experts"), ("gates", "gates")):
+        assert load_config(overrides=[f"train.replay={value}"]).train.replay == mode
+    assert load_config().train.replay == "experts"
+    with pytest.raises(ConfigError, match="'train.replay': must be one of 'off', 'experts', "
+                                          "'gates'"):
+        load_config(overrides=["train.replay=logits"])
+
+
+def test_router_record_options_need_what_they_use():
+    with pytest.raises(ConfigError, match="'train.replay': must be 'off' or 'experts' unless "
+                                          "rollout.record_routes"):
+        load_config(overrides=["train.replay=gates", "rollout.record_routes=false"])
+    for key in ("train.replay=gates", "rollout.record_router_logits=true",
+                "rollout.partial=true"):
+        with pytest.raises(ConfigError, match=f"'{key.split('=')[0]}': must be off with "
+                                              "rollout.engine 'vllm'"):
+            load_config(overrides=[key, "rollout.engine=vllm"])

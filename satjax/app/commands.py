@@ -102,7 +102,7 @@ def check_resources(cfg: Config) -> None:
         if not model_config(cfg).moe_layer_indices:  # dense: no experts, no routes
             for key in ("train.replay", "rollout.record_routes"):
                 section, name = key.split(".")
-                need(not getattr(getattr(cfg, section), name), key,
+                need(getattr(getattr(cfg, section), name) in (False, "off"), key,
                      f"false for a dense model ({cfg.model.path} has no MoE layers, so "
                      "there are no routes to record or replay)", True)
         if not tokenizer_path(cfg):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from satjax.model.moe import expert_gates
 from satjax.model.transformer import BackboneOutput, Qwen3MoeForCausalLM
 
 Array = jax.Array
@@ -28,42 +29,45 @@ LOGITS_CHUNK = 512
 
 def token_logprobs(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Array | None = None,
                    *, temperature: float = 1.0, routed_experts: Array | None = None,
-                   remat: str = "none", chunk: int = LOGITS_CHUNK
-                   ) -> tuple[Array, BackboneOutput]:
+                   routed_gates: Array | None = None, remat: str = "none",
+                   chunk: int = LOGITS_CHUNK) -> tuple[Array, BackboneOutput]:
     """Log-probs [B, T] f32 of ``tokens`` [B, T] under ``model`` and the backbone's output.
 
     Position ``t`` holds ``log p(tokens[t] | tokens[<t])``; position 0 and padding (where
-    ``attention_mask`` is 0) hold 0. ``routed_experts`` i32 [B, T, L, k] replays experts;
+    ``attention_mask`` is 0) hold 0. ``routed_experts`` i32 [B, T, L, k] replays experts
+    and ``routed_gates`` [B, T, L, k] their gate weights (``satjax.model.moe.route``);
     ``remat`` rematerialises each decoder layer (``Qwen3MoeForCausalLM.backbone``). The LM
     head and the log-sum-exp run ``chunk`` positions at a time (:func:`chunked_logprobs`),
     so the full-vocabulary logits of the whole batch never exist at once.
     """
     lp, _, out = _token_stats(model, tokens, attention_mask, temperature=temperature,
-                              routed_experts=routed_experts, remat=remat, chunk=chunk,
-                              entropy=False)
+                              routed_experts=routed_experts, routed_gates=routed_gates,
+                              remat=remat, chunk=chunk, entropy=False)
     return lp, out
 
 
 def token_logprobs_entropy(model: Qwen3MoeForCausalLM, tokens: Array,
                            attention_mask: Array | None = None, *, temperature: float = 1.0,
-                           routed_experts: Array | None = None, remat: str = "none",
+                           routed_experts: Array | None = None,
+                           routed_gates: Array | None = None, remat: str = "none",
                            chunk: int = LOGITS_CHUNK) -> tuple[Array, Array, BackboneOutput]:
     """:func:`token_logprobs` plus the entropy [B, T] f32 of each position's predictive
     distribution at ``temperature`` (:func:`chunked_logprobs_entropy`, same alignment and
     zeros as the log-probs)."""
     lp, ent, out = _token_stats(model, tokens, attention_mask, temperature=temperature,
-                                routed_experts=routed_experts, remat=remat, chunk=chunk,
-                                entropy=True)
+                                routed_experts=routed_experts, routed_gates=routed_gates,
+                                remat=remat, chunk=chunk, entropy=True)
     assert ent is not None  # entropy=True
     return lp, ent, out
 
 
 def _token_stats(model: Qwen3MoeForCausalLM, tokens: Array, attention_mask: Array | None, *,
-                 temperature: float, routed_experts: Array | None, remat: str, chunk: int,
+                 temperature: float, routed_experts: Array | None,
+                 routed_gates: Array | None, remat: str, chunk: int,
                  entropy: bool) -> tuple[Array, Array | None, BackboneOutput]:
     tokens = jnp.asarray(tokens)
     out = model.backbone(tokens, attention_mask=attention_mask, routed_experts=routed_experts,
-                         remat=remat)
+                         routed_gates=routed_gates, remat=remat)
     picked, ent = _chunked(out.hidden[:, :-1], model.head_weight(), tokens[:, 1:],
                            temperature=temperature, chunk=chunk, entropy=entropy)
 
@@ -173,3 +177,38 @@ def router_mismatch(router_topk: Array, experts_used: Array, routed_experts: Arr
         "router_mismatch_applied": expert_set_mismatch(experts_used, routed_experts, mask)[
             "per_layer"],
     }
+
+
+def router_gate_stats(router_logits: Array, experts_used: Array, gate_weights: Array,
+                      routed_experts: Array, routed_gates: Array, *, norm_topk_prob: bool,
+                      engine_logits: Array | None = None) -> dict[str, Array]:
+    """Per-token engine-vs-trainer gate statistics, each float32 [B, T].
+
+    Inputs: the trainer's ``router_logits`` f32 [B, T, L, E], ``experts_used`` and their
+    ``gate_weights`` [B, T, L, k] (what its forward ran); the engine's ``routed_experts``
+    and ``routed_gates`` [B, T, L, k] and optionally its ``engine_logits`` [B, T, L, E].
+    With ``g`` the engine's gates, ``w`` the trainer router's own gates of the engine's
+    experts (``satjax.model.moe.expert_gates``) and ``a`` the gate weight the trainer's
+    forward applied to each engine expert (0 for one that did not run), means over (L, k):
+
+    * ``router_gate_diff``: ``|g - w|``, how far the trainer's router has moved from the
+      engine's on the engine's own experts;
+    * ``router_gate_diff_applied``: ``|g - a|``, what the forward actually differs by
+      (0 under gate replay, ``router_gate_diff`` under expert replay);
+    * ``router_kl`` (with ``engine_logits``): ``KL(softmax(engine) || softmax(trainer))``
+      of the full router distributions, mean over the L layers.
+    """
+    engine = jnp.clip(routed_experts.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
+    g = routed_gates.astype(jnp.float32)
+    own = expert_gates(router_logits, engine, norm_topk_prob)
+    same = experts_used[..., :, None] == engine[..., None, :]  # [B, T, L, k_used, k_engine]
+    applied = jnp.sum(jnp.where(same, gate_weights.astype(jnp.float32)[..., :, None], 0.0),
+                      axis=-2)
+    out = {"router_gate_diff": jnp.mean(jnp.abs(g - own), axis=(-2, -1)),
+           "router_gate_diff_applied": jnp.mean(jnp.abs(g - applied), axis=(-2, -1))}
+    if engine_logits is not None:
+        log_p = jax.nn.log_softmax(engine_logits.astype(jnp.float32), axis=-1)
+        log_q = jax.nn.log_softmax(router_logits.astype(jnp.float32), axis=-1)
+        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, T, L]
+        out["router_kl"] = jnp.mean(kl, axis=-1)
+    return out

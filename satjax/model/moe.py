@@ -1,11 +1,15 @@
 """Sparse MoE block (HF ``Qwen3MoeSparseMoeBlock``) with dropless batched expert dispatch.
 
 Routing: ``probs = softmax(x @ W_router)`` over all experts (float32), top-k by prob, gate
-weights renormalised over the k chosen experts iff ``norm_topk_prob``. With R3 replay the
-experts that run come from ``routed_experts`` (the engine's record) and the gate weights are
-the model's own ``probs`` gathered at them (renormalised the same way), so the router still
-receives gradients. The block reports both the router's own top-k (``router_topk``) and what
-ran (``experts_used``) in a :class:`RouteRecord`.
+weights renormalised over the k chosen experts iff ``norm_topk_prob``. With R3 replay
+(``train.replay: experts``) the experts that run come from ``routed_experts`` (the engine's
+record) and the gate weights are the model's own ``probs`` gathered at them (renormalised
+the same way), so the router still receives gradients. With gate replay (``train.replay:
+gates``) the engine's gate weights ``routed_gates`` are used as well, straight-through: the
+forward computes with the engine's gates exactly, the backward sends their cotangent to
+the model's own gates of those experts (:func:`route`). The block reports the router's own
+top-k (``router_topk``), what ran (``experts_used``) and with which gate weights in a
+:class:`RouteRecord`.
 
 Three dispatch implementations, all dropless (no capacity factor, no token is ever
 dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
@@ -58,7 +62,8 @@ class RouteRecord:
     router_topk   i32 [..., k]  the router's own top-k, descending probability
     experts_used  i32 [..., k]  the experts that ran: the replayed ``routed_experts`` under
                                 R3, else equal to ``router_topk``
-    weights           [..., k]  gate weights of ``experts_used`` (compute dtype)
+    weights       f32 [..., k]  gate weights of ``experts_used`` (the engine's under gate
+                                replay; the dispatch casts them to the compute dtype)
     """
 
     router_logits: Array
@@ -67,20 +72,46 @@ class RouteRecord:
     weights: Array
 
 
+def expert_gates(router_logits: Array, experts: Array, norm_topk_prob: bool) -> Array:
+    """The router's gate weights f32 [..., k] of ``experts`` [..., k] from its logits
+    [..., E]: ``softmax(logits)`` gathered at the experts, divided by their sum iff
+    ``norm_topk_prob`` (HF Qwen3-MoE; vLLM's ``fused_topk(renormalize=...)``)."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    return _normalised(jnp.take_along_axis(probs, experts, axis=-1), norm_topk_prob)
+
+
+def _normalised(weights: Array, norm_topk_prob: bool) -> Array:
+    return weights / jnp.sum(weights, axis=-1, keepdims=True) if norm_topk_prob else weights
+
+
 def route(router_logits: Array, k: int, norm_topk_prob: bool,
-          routed_experts: Array | None = None) -> RouteRecord:
-    """Top-k routing from float32 logits [N, E]; ``routed_experts`` [N, k] replays experts."""
+          routed_experts: Array | None = None, routed_gates: Array | None = None
+          ) -> RouteRecord:
+    """Top-k routing from float32 logits [N, E].
+
+    ``routed_experts`` [N, k] replays experts (R3): they run, weighted by the router's own
+    gates of them (:func:`expert_gates`). ``routed_gates`` [N, k] (with ``routed_experts``)
+    also replays the engine's gate weights, straight-through::
+
+        w = g_engine + (w_own - stop_gradient(w_own))
+
+    whose value is ``g_engine`` exactly (``x - x`` is 0 in floating point) and whose
+    gradient reaches the router as if ``w_own`` had been used: the trainer computes the
+    function the engine sampled from while its router still learns.
+    """
+    if routed_gates is not None and routed_experts is None:
+        raise ValueError("routed_gates: gate replay needs the routed_experts they weight")
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, k)
     top_i = top_i.astype(jnp.int32)
     if routed_experts is None:
-        experts, weights = top_i, top_p
+        experts, weights = top_i, _normalised(top_p, norm_topk_prob)
     else:
         # clipped so padding rows holding e.g. -1 stay harmless (their outputs are masked)
         experts = jnp.clip(routed_experts.astype(jnp.int32), 0, router_logits.shape[-1] - 1)
-        weights = jnp.take_along_axis(probs, experts, axis=-1)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = _normalised(jnp.take_along_axis(probs, experts, axis=-1), norm_topk_prob)
+    if routed_gates is not None:
+        weights = routed_gates.astype(jnp.float32) + (weights - jax.lax.stop_gradient(weights))
     return RouteRecord(router_logits=router_logits, router_topk=top_i, experts_used=experts,
                        weights=weights)
 
@@ -345,8 +376,9 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router + experts: ``(x [B, T, D], routed_experts [B, T, k] | None) -> (out, RouteRecord)``
-    with the record's fields shaped [B, T, E] / [B, T, k]."""
+    """Router + experts: ``(x [B, T, D], routed_experts [B, T, k] | None, routed_gates
+    [B, T, k] | None) -> (out, RouteRecord)`` with the record's fields shaped [B, T, E] /
+    [B, T, k] (:func:`route` for the replays)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
                  moe_impl: str = "auto"):
@@ -358,14 +390,17 @@ class SparseMoeBlock(nnx.Module):
         self.moe_impl = resolve_moe_impl(moe_impl)
         self.dtype = dtype
 
-    def __call__(self, x: Array, routed_experts: Array | None = None
-                 ) -> tuple[Array, RouteRecord]:
+    def __call__(self, x: Array, routed_experts: Array | None = None,
+                 routed_gates: Array | None = None) -> tuple[Array, RouteRecord]:
         b, t, d = x.shape
         flat = constrain(x.reshape(b * t, d), ("batch", None))
         logits = (flat @ self.gate[...].astype(self.dtype)).astype(jnp.float32)
-        flat_replay = (None if routed_experts is None
-                       else routed_experts.reshape(b * t, self.top_k))
-        rec = route(logits, self.top_k, self.norm_topk_prob, flat_replay)
+
+        def flat_k(a: Array | None) -> Array | None:
+            return None if a is None else a.reshape(b * t, self.top_k)
+
+        rec = route(logits, self.top_k, self.norm_topk_prob, flat_k(routed_experts),
+                    flat_k(routed_gates))
         weights = rec.weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
         # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
         # sharded weights without a full rematerialisation: all-gather them explicitly
@@ -377,6 +412,4 @@ class SparseMoeBlock(nnx.Module):
         if self.moe_impl != "dense_einsum":
             dispatch = per_batch_shard(in_token_chunks(dispatch), b * t)
         out = constrain(dispatch(flat, rec.experts_used, weights, *ws), ("batch", None))
-        rec = RouteRecord(router_logits=logits, router_topk=rec.router_topk,
-                          experts_used=rec.experts_used, weights=weights)
         return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

@@ -6,15 +6,20 @@ are masked out of attention. Per generated token the sampler returns its log-pro
 *processed* distribution it was sampled from (temperature, then top-k, then top-p, as vLLM's
 ``processed_logprobs``); with ``temperature == 0`` it decodes greedily and reports the
 log-prob under the raw (unscaled, unfiltered) distribution. It also returns, per token, the
-experts the router chose in every MoE layer (vLLM's convention: one row per input position,
-``P + N - 1`` of them). ``generate`` returns host arrays (:class:`Samples`); turning them into
-per-prompt records is the rollout engine's job.
+experts the router chose in every MoE layer and their gate weights, and optionally the full
+router logits (vLLM's convention: one row per input position, ``P + N - 1`` of them).
+``generate`` returns host arrays (:class:`Samples`); turning them into per-prompt records is
+the rollout engine's job. :class:`Generation` decodes in segments, so the weights may change
+between two segments (partial rollouts): the KV cache is kept and every token records the
+version that sampled it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +34,20 @@ _PROMPT_BUCKET = 16  # prompt lengths are padded up to a multiple of this (fewer
 
 @dataclasses.dataclass(frozen=True)
 class Samples:
-    """Host arrays of one ``generate`` call: B prompts left-padded to P, N new-token slots.
+    """Host arrays of one sampled batch: B prompts left-padded to P, N new-token slots; the
+    router record has one row per input position of the padded sequence (row r's real
+    positions are ``P - prompt_lengths[r] : P + lengths[r] - 1``).
 
-    prompt_lengths i32 [B]                 real prompt tokens of each row
-    lengths        i32 [B]                 generated tokens of each row (<= N)
-    tokens         i32 [B, N]              generated tokens, ``pad_id`` after ``lengths``
-    logprobs       f32 [B, N]              their log-probs under the processed distribution
-    stopped        bool [B]                the row ended on a stop token
-    routed_experts i32 [B, P + N - 1, L, k] experts the router chose per input position of
-                                           the padded sequence (row r's real positions are
-                                           ``P - prompt_lengths[r] : P + lengths[r] - 1``)
+    prompt_lengths i32 [B]                   real prompt tokens of each row
+    lengths        i32 [B]                   generated tokens of each row (<= N)
+    tokens         i32 [B, N]                generated tokens, ``pad_id`` after ``lengths``
+    logprobs       f32 [B, N]                their log-probs under the processed distribution
+    stopped        bool [B]                  the row ended on a stop token
+    routed_experts i32 [B, P + N - 1, L, k]  experts the router chose per input position
+    routed_gates   f16 [B, P + N - 1, L, k]  their gate weights (normalised top-k probs)
+    router_logits  f16 [B, P + N - 1, L, E] or None  the full router logits, when recorded
+    token_versions i32 [B, N]                the version of the weights whose logits each
+                                             token was sampled from (0 after ``lengths``)
     """
 
     prompt_lengths: np.ndarray
@@ -47,6 +56,9 @@ class Samples:
     logprobs: np.ndarray
     stopped: np.ndarray
     routed_experts: np.ndarray
+    routed_gates: np.ndarray
+    router_logits: np.ndarray | None
+    token_versions: np.ndarray
 
 
 def processed_logprobs(logits: Array, temperature: float | Array, top_k: int | Array = 0,
@@ -89,96 +101,196 @@ def with_compute_dtype(model: Qwen3MoeForCausalLM, dtype: jnp.dtype) -> Qwen3Moe
     return view
 
 
-def _decode(graphdef, state, tokens, prompt_mask, rng, temperature, top_k, top_p, *,
-            max_new_tokens: int, greedy: bool, stop_ids: tuple[int, ...], pad_id: int):
-    """Prefill + while-loop decode. tokens/prompt_mask: [B, P] left-padded."""
+class _Carry(typing.NamedTuple):
+    """The decode loop's state (a pytree kept on the device between segments). R = P + N
+    router-record rows; ``logits`` are the next token's, computed by ``logit_version``."""
+
+    i: Array               # i32 []: tokens generated so far (the next slot is P + i)
+    cache: Any             # the KV cache, P + N slots
+    kv_valid: Array        # bool [B, P + N]
+    logits: Array          # f32 [B, V]
+    logit_version: Array   # i32 []
+    pos: Array             # i32 [B] position of the next token
+    done: Array            # bool [B]
+    tokens: Array          # i32 [B, N]
+    logprobs: Array        # f32 [B, N]
+    versions: Array        # i32 [B, N]
+    lengths: Array         # i32 [B]
+    routes: Array          # i32 [B, R, L, k]
+    gates: Array           # f16 [B, R, L, k]
+    router_logits: Array | None  # f16 [B, R, L, E] when recorded
+
+
+def _record(carry: _Carry, row: Array | int, out, n_rows: int) -> dict[str, Array]:
+    """The router record fields of ``carry`` with ``out``'s T rows written from ``row``."""
+    def put(buf, new):
+        return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), row, axis=1)
+
+    rec = {"routes": put(carry.routes, out.router_topk[:, :n_rows]),
+           "gates": put(carry.gates, out.gate_weights[:, :n_rows])}
+    if carry.router_logits is not None:
+        rec["router_logits"] = put(carry.router_logits, out.router_logits[:, :n_rows])
+    return rec
+
+
+def _prefill(graphdef, state, tokens, prompt_mask, version, *, max_new_tokens: int,
+             record_logits: bool, pad_id: int) -> _Carry:
+    """The prompt's forward into a fresh cache. tokens/prompt_mask: [B, P] left-padded."""
     model = nnx.merge(graphdef, state)
     b, p = tokens.shape
     cfg = model.config
     n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
-    cache = model.init_cache(b, p + max_new_tokens)
-    kv_valid = jnp.zeros((b, p + max_new_tokens), jnp.bool_).at[:, :p].set(prompt_mask)
+    rows = p + max_new_tokens
+    cache = model.init_cache(b, rows)
+    kv_valid = jnp.zeros((b, rows), jnp.bool_).at[:, :p].set(prompt_mask)
     positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
     out, cache = model.forward_with_cache(tokens, positions, kv_valid, cache, 0)
-    prompt_routes = out.router_topk
+    carry = _Carry(
+        i=jnp.int32(0), cache=cache, kv_valid=kv_valid, logits=out.logits[:, -1],
+        logit_version=jnp.asarray(version, jnp.int32), pos=positions[:, -1] + 1,
+        done=jnp.zeros((b,), jnp.bool_),
+        tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        logprobs=jnp.zeros((b, max_new_tokens), jnp.float32),
+        versions=jnp.zeros((b, max_new_tokens), jnp.int32), lengths=jnp.zeros((b,), jnp.int32),
+        routes=jnp.zeros((b, rows, n_moe, k), jnp.int32),
+        gates=jnp.zeros((b, rows, n_moe, k), jnp.float16),
+        router_logits=(jnp.zeros((b, rows, n_moe, cfg.num_experts), jnp.float16)
+                       if record_logits else None))
+    return carry._replace(**_record(carry, 0, out, p))
+
+
+def _decode(graphdef, state, carry: _Carry, rng, temperature, top_k, top_p, version,
+            until, *, greedy: bool, stop_ids: tuple[int, ...], pad_id: int) -> _Carry:
+    """While-loop decode with the weights ``state`` (``version``) until ``until`` tokens
+    are generated or every row is done. Token i is sampled from ``carry.logits``, so its
+    version is ``carry.logit_version`` (the weights that computed them); feeding it runs
+    the forward with the weights given here, which writes router-record row P + i."""
+    model = nnx.merge(graphdef, state)
+    p = carry.kv_valid.shape[1] - carry.tokens.shape[1]
     stop = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    version = jnp.asarray(version, jnp.int32)
 
-    def cond(carry):
-        i, done = carry[0], carry[5]
-        return (i < max_new_tokens) & ~jnp.all(done)
+    def cond(c: _Carry):
+        return (c.i < jnp.minimum(until, c.tokens.shape[1])) & ~jnp.all(c.done)
 
-    def body(carry):
-        i, cache, kv_valid, logits, pos, done, toks, lps, routes, lengths = carry
-        lp = processed_logprobs(logits, 0 if greedy else temperature, top_k, top_p)
+    def body(c: _Carry) -> _Carry:
+        i, done = c.i, c.done
+        lp = processed_logprobs(c.logits, 0 if greedy else temperature, top_k, top_p)
         if greedy:
             tok = jnp.argmax(lp, axis=-1).astype(jnp.int32)
         else:
             tok = jax.random.categorical(jax.random.fold_in(rng, i), lp).astype(jnp.int32)
         tok_lp = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
         tok = jnp.where(done, pad_id, tok)
-        toks = toks.at[:, i].set(tok)
-        lps = lps.at[:, i].set(jnp.where(done, 0.0, tok_lp))
-        lengths = jnp.where(done, lengths, i + 1)
-        kv_valid = kv_valid.at[:, p + i].set(~done)
-        done = done | jnp.isin(tok, stop)
-        step, cache = model.forward_with_cache(tok[:, None], pos[:, None], kv_valid, cache,
-                                               p + i)
-        routes = routes.at[:, i].set(step.router_topk[:, 0])
-        return (i + 1, cache, kv_valid, step.logits[:, 0], pos + 1, done, toks, lps, routes,
-                lengths)
+        kv_valid = c.kv_valid.at[:, p + i].set(~done)
+        step, cache = model.forward_with_cache(tok[:, None], c.pos[:, None], kv_valid,
+                                               c.cache, p + i)
+        c = c._replace(
+            i=i + 1, cache=cache, kv_valid=kv_valid, logits=step.logits[:, 0],
+            logit_version=version, pos=c.pos + 1, done=done | jnp.isin(tok, stop),
+            tokens=c.tokens.at[:, i].set(tok),
+            logprobs=c.logprobs.at[:, i].set(jnp.where(done, 0.0, tok_lp)),
+            versions=c.versions.at[:, i].set(jnp.where(done, 0, c.logit_version)),
+            lengths=jnp.where(done, c.lengths, i + 1))
+        return c._replace(**_record(c, p + i, step, 1))
 
-    carry = (jnp.int32(0), cache, kv_valid, out.logits[:, -1], positions[:, -1] + 1,
-             jnp.zeros((b,), jnp.bool_), jnp.full((b, max_new_tokens), pad_id, jnp.int32),
-             jnp.zeros((b, max_new_tokens), jnp.float32),
-             jnp.zeros((b, max_new_tokens, n_moe, k), jnp.int32), jnp.zeros((b,), jnp.int32))
-    carry = jax.lax.while_loop(cond, body, carry)
-    _, _, _, _, _, _, toks, lps, routes, lengths = carry
-    return toks, lps, prompt_routes, routes, lengths
+    return jax.lax.while_loop(cond, body, carry)
 
 
+_prefill_jit = jax.jit(_prefill, static_argnums=(0,), static_argnames=(
+    "max_new_tokens", "record_logits", "pad_id"))
 _decode_jit = jax.jit(_decode, static_argnums=(0,), static_argnames=(
-    "max_new_tokens", "greedy", "stop_ids", "pad_id"))
+    "greedy", "stop_ids", "pad_id"))
+
+
+class Generation:
+    """One batch being sampled: the prompts' prefill, then decode in segments, each with
+    the weights the caller gives it (a partial rollout moves to new weights mid-batch).
+
+    The KV cache, positions and finished rows survive a change of weights: later tokens
+    attend to the keys and values the earlier weights computed, as the engine sampled them.
+    Each token records the version of the weights whose logits it was sampled from
+    (``Samples.token_versions``), and each router-record row the routing of the weights
+    that fed it, i.e. of the version of the token it predicts (see the module docstring
+    for the conventions and :func:`generate` for the arguments).
+    """
+
+    def __init__(self, model: Qwen3MoeForCausalLM, prompts: Sequence[Sequence[int] | np.ndarray],
+                 *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+                 stop_token_ids: Sequence[int], rng: Array, dtype: jnp.dtype | None = None,
+                 pad_id: int = 0, version: int = 0, record_logits: bool = False) -> None:
+        if not prompts:
+            raise ValueError("prompts must be a non-empty list")
+        prompt_arrays = [np.asarray(pr, np.int32).reshape(-1) for pr in prompts]
+        if any(a.size == 0 for a in prompt_arrays):
+            raise ValueError("prompts must each contain at least one token")
+        longest = max(a.size for a in prompt_arrays)
+        p = -(-longest // _PROMPT_BUCKET) * _PROMPT_BUCKET
+        tokens = np.full((len(prompt_arrays), p), pad_id, np.int32)
+        mask = np.zeros((len(prompt_arrays), p), bool)
+        for row, a in enumerate(prompt_arrays):
+            tokens[row, p - a.size:] = a
+            mask[row, p - a.size:] = True
+        self.prompt_lengths = np.asarray([a.size for a in prompt_arrays], np.int32)
+        self.dtype, self.rng, self.pad_id = dtype, rng, int(pad_id)
+        self.greedy = temperature == 0
+        self.stop_ids = tuple(int(t) for t in stop_token_ids)
+        self.sampling = (jnp.float32(temperature if not self.greedy else 1.0),
+                         jnp.int32(top_k), jnp.float32(top_p))
+        graphdef, state = self._split(model)
+        self.carry = _prefill_jit(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
+                                  version, max_new_tokens=max_new_tokens,
+                                  record_logits=record_logits, pad_id=self.pad_id)
+        self.finished = False
+
+    def _split(self, model: Qwen3MoeForCausalLM):
+        return nnx.split(model if self.dtype is None else with_compute_dtype(model, self.dtype))
+
+    def decode(self, model: Qwen3MoeForCausalLM, version: int = 0,
+               steps: int | None = None) -> bool:
+        """Generates up to ``steps`` more tokens (None: to the end) with ``model``, the
+        weights of ``version``; True once every row is finished."""
+        if self.finished:
+            return True
+        graphdef, state = self._split(model)
+        until = self.carry.tokens.shape[1] if steps is None else int(self.carry.i) + steps
+        self.carry = _decode_jit(graphdef, state, self.carry, self.rng, *self.sampling,
+                                 jnp.int32(version), jnp.int32(until), greedy=self.greedy,
+                                 stop_ids=self.stop_ids, pad_id=self.pad_id)
+        i, done = jax.device_get((self.carry.i, self.carry.done))
+        self.finished = bool(i >= self.carry.tokens.shape[1] or done.all())
+        return self.finished
+
+    def samples(self) -> Samples:
+        """The host arrays of what was generated so far."""
+        c = jax.device_get(self.carry)
+        lengths = np.asarray(c.lengths, np.int32)
+        toks = np.asarray(c.tokens, np.int32)
+        last = np.take_along_axis(toks, np.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return Samples(
+            prompt_lengths=self.prompt_lengths, lengths=lengths, tokens=toks,
+            logprobs=np.asarray(c.logprobs, np.float32),
+            stopped=(lengths > 0) & np.isin(last, self.stop_ids),
+            routed_experts=np.asarray(c.routes[:, :-1], np.int32),
+            routed_gates=np.asarray(c.gates[:, :-1], np.float16),
+            router_logits=(None if c.router_logits is None
+                           else np.asarray(c.router_logits[:, :-1], np.float16)),
+            token_versions=np.asarray(c.versions, np.int32))
 
 
 def generate(model: Qwen3MoeForCausalLM, prompts: Sequence[Sequence[int] | np.ndarray], *,
              temperature: float, top_k: int, top_p: float, max_new_tokens: int,
              stop_token_ids: Sequence[int], rng: Array, dtype: jnp.dtype | None = None,
-             pad_id: int = 0) -> Samples:
-    """Sample one completion per prompt (see module docstring for the conventions).
+             pad_id: int = 0, version: int = 0, record_logits: bool = False) -> Samples:
+    """Sample one completion per prompt with one set of weights (see module docstring).
 
     ``top_k=0`` and ``top_p=1`` disable those filters; ``temperature == 0`` is greedy.
-    dtype overrides the model's compute dtype for sampling (e.g. ``jnp.bfloat16``).
+    dtype overrides the model's compute dtype for sampling (e.g. ``jnp.bfloat16``);
+    ``version`` stamps ``Samples.token_versions``; ``record_logits`` keeps the full router
+    logits. :class:`Generation` samples across a change of weights.
     """
-    if not prompts:
-        raise ValueError("prompts must be a non-empty list")
-    prompt_arrays = [np.asarray(pr, np.int32).reshape(-1) for pr in prompts]
-    if any(a.size == 0 for a in prompt_arrays):
-        raise ValueError("prompts must each contain at least one token")
-    if dtype is not None:
-        model = with_compute_dtype(model, dtype)
-    longest = max(a.size for a in prompt_arrays)
-    p = -(-longest // _PROMPT_BUCKET) * _PROMPT_BUCKET
-    tokens = np.full((len(prompt_arrays), p), pad_id, np.int32)
-    mask = np.zeros((len(prompt_arrays), p), bool)
-    for row, a in enumerate(prompt_arrays):
-        tokens[row, p - a.size:] = a
-        mask[row, p - a.size:] = True
-    graphdef, state = nnx.split(model)
-    greedy = temperature == 0
-    stop_ids = tuple(int(t) for t in stop_token_ids)
-    toks, lps, prompt_routes, gen_routes, lengths = jax.device_get(_decode_jit(
-        graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), rng,
-        jnp.float32(temperature if not greedy else 1.0), jnp.int32(top_k),
-        jnp.float32(top_p), max_new_tokens=max_new_tokens, greedy=greedy,
-        stop_ids=stop_ids, pad_id=int(pad_id)))
-    lengths = np.asarray(lengths, np.int32)
-    last = np.take_along_axis(toks, np.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-    return Samples(
-        prompt_lengths=np.asarray([a.size for a in prompt_arrays], np.int32),
-        lengths=lengths,
-        tokens=np.asarray(toks, np.int32),
-        logprobs=np.asarray(lps, np.float32),
-        stopped=(lengths > 0) & np.isin(last, stop_ids),
-        routed_experts=np.concatenate([prompt_routes, gen_routes[:, :-1]], axis=1).astype(
-            np.int32),
-    )
+    gen = Generation(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p,
+                     max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, rng=rng,
+                     dtype=dtype, pad_id=pad_id, version=version, record_logits=record_logits)
+    gen.decode(model, version)
+    return gen.samples()

@@ -20,6 +20,10 @@ Array = jax.Array
 # logical axes of the residual stream [B, T, D] at layer boundaries: batch-sharded only
 ACTIVATION = ("batch", "length", None)
 KVCache = tuple[tuple[Array, Array], ...]  # per decoder layer (k, v), each [B, S, Hkv, Dh]
+# what the trainer replays: (routed_experts, routed_gates), each [B, T, L, k] or None
+Replay = tuple[Array | None, Array | None]
+# the RouteRecord fields the model outputs stacked over its MoE layers, in output order
+_ROUTE_FIELDS = ("router_logits", "router_topk", "experts_used", "weights")
 
 
 @jax.tree_util.register_dataclass
@@ -33,12 +37,15 @@ class ModelOutput:
                                     replay, so engine-vs-trainer mismatch stays measurable
     experts_used  i32 [B, T, L, k]  what ran: the replayed ``routed_experts`` under R3,
                                     else equal to ``router_topk``
+    gate_weights  f32 [B, T, L, k]  the gate weights ``experts_used`` ran with (the
+                                    replayed ``routed_gates`` under gate replay)
     """
 
     logits: Array
     router_logits: Array
     router_topk: Array
     experts_used: Array
+    gate_weights: Array
 
 
 @jax.tree_util.register_dataclass
@@ -47,13 +54,14 @@ class BackboneOutput:
     """The decoder stack's outputs before the LM head (:meth:`Qwen3MoeForCausalLM.backbone`).
 
     hidden        [B, T, D]     final-norm hidden states, compute dtype
-    router_logits, router_topk, experts_used: as in :class:`ModelOutput`
+    router_logits, router_topk, experts_used, gate_weights: as in :class:`ModelOutput`
     """
 
     hidden: Array
     router_logits: Array
     router_topk: Array
     experts_used: Array
+    gate_weights: Array
 
 
 # What a rematerialised decoder layer keeps for the backward (``remat`` of the forward):
@@ -96,19 +104,20 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array,
                  cache: tuple[Array, Array] | None = None, cache_index: Array | int = 0,
-                 routed_experts: Array | None = None
+                 routed_experts: Array | None = None, routed_gates: Array | None = None
                  ) -> tuple[Array, tuple[Array, Array] | None, RouteRecord | None]:
         """x [B, T, D] -> (x, updated cache, RouteRecord of a MoE layer else None).
 
         mask: valid bool [B, T] without a cache, bool [B, T, S] with one (``Attention``).
-        routed_experts i32 [B, T, k] replays these experts (MoE layers only).
+        routed_experts i32 [B, T, k] replays these experts, routed_gates [B, T, k] their
+        gate weights too (MoE layers only; ``moe.route``).
         """
         h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_index)
         x = x + h
         h = self.post_attention_layernorm(x)
         routes = None
         if isinstance(self.mlp, SparseMoeBlock):  # i.e. self.is_moe
-            h, routes = self.mlp(h, routed_experts)
+            h, routes = self.mlp(h, routed_experts, routed_gates)
         else:
             h = self.mlp(h)
         return x + h, cache, routes
@@ -166,15 +175,16 @@ class Qwen3MoeForCausalLM(nnx.Module):
     # ------------------------------------------------------------------------------------
     def __call__(self, input_ids: Array, *, attention_mask: Array | None = None,
                  positions: Array | None = None, routed_experts: Array | None = None,
-                 remat: str = "none") -> ModelOutput:
+                 routed_gates: Array | None = None, remat: str = "none") -> ModelOutput:
         """Full-sequence forward: :meth:`backbone`, then the LM head's float32 logits."""
         return self._with_logits(self.backbone(
             input_ids, attention_mask=attention_mask, positions=positions,
-            routed_experts=routed_experts, remat=remat))
+            routed_experts=routed_experts, routed_gates=routed_gates, remat=remat))
 
     def _with_logits(self, out: BackboneOutput) -> ModelOutput:
         logits = (out.hidden @ self.head_weight()).astype(jnp.float32)
-        return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used)
+        return ModelOutput(logits, out.router_logits, out.router_topk, out.experts_used,
+                           out.gate_weights)
 
     def head_weight(self) -> Array:
         """The LM head [D, V] in the compute dtype (the embedding table's transpose when
@@ -185,15 +195,17 @@ class Qwen3MoeForCausalLM(nnx.Module):
 
     def backbone(self, input_ids: Array, *, attention_mask: Array | None = None,
                  positions: Array | None = None, routed_experts: Array | None = None,
-                 remat: str = "none") -> BackboneOutput:
+                 routed_gates: Array | None = None, remat: str = "none") -> BackboneOutput:
         """Embedding, decoder layers and the final norm, without the LM head (a caller
         that needs only some logits, e.g. chunked log-probs, applies :meth:`head_weight`).
 
         input_ids int32 [B, T]; attention_mask [B, T] (1 = real token; padding anywhere is
         excluded as a key); positions int32 [B, T] (default cumsum(mask) - 1, clipped at 0);
         routed_experts int32 [B, T, L, k] replays these experts in the L MoE layers (R3);
-        remat: what each decoder layer keeps for the backward (:data:`REMAT_POLICIES`:
-        "none", "full" or "dots"); the values are the same either way.
+        routed_gates [B, T, L, k] (with routed_experts) replays their gate weights too,
+        straight-through (``satjax.model.moe.route``); remat: what each decoder layer keeps
+        for the backward (:data:`REMAT_POLICIES`: "none", "full" or "dots"); the values are
+        the same either way.
         """
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
@@ -212,18 +224,19 @@ class Qwen3MoeForCausalLM(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
         elif tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape {(b, t)}, got {positions.shape}")
+        replay = (routed_experts, routed_gates)
         if _explicit_mesh_axes():
-            return self._call_auto_axes(input_ids, valid, positions, routed_experts, remat)
-        return self._full_forward(input_ids, valid, positions, routed_experts, remat)
+            return self._call_auto_axes(input_ids, valid, positions, replay, remat)
+        return self._full_forward(input_ids, valid, positions, replay, remat)
 
     def _full_forward(self, input_ids: Array, valid: Array, positions: Array,
-                      routed_experts: Array | None, remat: str) -> BackboneOutput:
+                      replay: Replay, remat: str) -> BackboneOutput:
         # the attention builds its causal mask itself (blockwise: never as a [T, T] array)
-        out, _ = self._run(input_ids, positions, valid, routed_experts, None, 0, remat)
+        out, _ = self._run(input_ids, positions, valid, replay, None, 0, remat)
         return out
 
     def _call_auto_axes(self, input_ids: Array, valid: Array, positions: Array,
-                        routed_experts: Array | None, remat: str) -> BackboneOutput:
+                        replay: Replay, remat: str) -> BackboneOutput:
         """Under an Explicit-axis mesh run the model body with GSPMD (auto) sharding.
 
         Several ops (embedding gather, ragged_dot) have no explicit-sharding rule; outputs
@@ -233,16 +246,16 @@ class Qwen3MoeForCausalLM(nnx.Module):
         spec = spec + (None,) * (2 - len(spec))
         graphdef, state = nnx.split(self)
 
-        def body(state, input_ids, valid, positions, routed_experts):
+        def body(state, input_ids, valid, positions, replay):
             model = nnx.merge(graphdef, state)
-            return model._full_forward(input_ids, valid, positions, routed_experts, remat)
+            return model._full_forward(input_ids, valid, positions, replay, remat)
 
         P = jax.sharding.PartitionSpec
         lead, per_layer = P(*spec, None), P(*spec, None, None)
         # the output's pytree with PartitionSpec leaves (the fields say Array)
-        out_sharding = BackboneOutput(lead, per_layer, per_layer, per_layer)  # type: ignore[arg-type]
+        out_sharding = BackboneOutput(lead, *(per_layer,) * 4)  # type: ignore[arg-type]
         return jax.sharding.auto_axes(body, out_sharding=out_sharding)(
-            state, input_ids, valid, positions, routed_experts)
+            state, input_ids, valid, positions, replay)
 
     def forward_with_cache(self, input_ids: Array, positions: Array, kv_valid: Array,
                            cache: KVCache, cache_index: Array | int,
@@ -256,7 +269,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
         s = cache[0][0].shape[1]
         q_slots = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
         mask = (q_slots[None, :, None] >= jnp.arange(s)[None, None, :]) & kv_valid[:, None, :]
-        out, new_cache = self._run(input_ids, positions, mask, routed_experts, cache,
+        out, new_cache = self._run(input_ids, positions, mask, (routed_experts, None), cache,
                                    cache_index, "none")
         assert new_cache is not None  # _run returns the updated cache when given one
         return self._with_logits(out), new_cache
@@ -270,85 +283,89 @@ class Qwen3MoeForCausalLM(nnx.Module):
                      for _ in range(cfg.num_hidden_layers))
 
     # ------------------------------------------------------------------------------------
-    def _run(self, input_ids: Array, positions: Array, mask: Array,
-             routed_experts: Array | None,
+    def _run(self, input_ids: Array, positions: Array, mask: Array, replay: Replay,
              cache: KVCache | None, cache_index: Array | int, remat: str
              ) -> tuple[BackboneOutput, KVCache | None]:
-        """mask: valid bool [B, T] without a cache, bool [B, T, S] with one."""
+        """mask: valid bool [B, T] without a cache, bool [B, T, S] with one; replay:
+        (routed_experts, routed_gates), each [B, T, L, k] or None."""
         cfg = self.config
         b, t = input_ids.shape
         n_moe, k = len(cfg.moe_layer_indices), cfg.num_experts_per_tok
-        if routed_experts is not None:
-            routed_experts = jnp.asarray(routed_experts)
-            if tuple(routed_experts.shape) != (b, t, n_moe, k):
-                raise ValueError(
-                    f"routed_experts must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
-                    f"got {routed_experts.shape}")
+        routed_experts, routed_gates = replay
+        if routed_gates is not None and routed_experts is None:
+            raise ValueError("routed_gates: gate replay needs the routed_experts they weight")
+        for name, arr in (("routed_experts", routed_experts), ("routed_gates", routed_gates)):
+            if arr is not None and tuple(jnp.shape(arr)) != (b, t, n_moe, k):
+                raise ValueError(f"{name} must have shape [B, T, L, k] = {(b, t, n_moe, k)}, "
+                                 f"got {jnp.shape(arr)}")
         # the lookup gathers whole rows: keep the table sharded over vocab only (GSPMD masks
         # and all-reduces), an embed-sharded table would need a full rematerialisation
         table = constrain(self.embed_tokens[...], ("vocab", None))
         x = constrain(jnp.take(table, input_ids, axis=0).astype(self.dtype), ACTIVATION)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         if cache is None and self.scan_layers and len({m.is_moe for m in self.layers}) == 1:
-            x, stacked = self._scan_layers(x, cos, sin, mask, routed_experts, remat)
+            x, stacked = self._scan_layers(x, cos, sin, mask, replay, remat)
             return self._finish(x, stacked, b, t, k), None
         routes: list[RouteRecord] = []
         new_cache: list[tuple[Array, Array]] = []
         for i, layer in enumerate(self.layers):
-            replay = None
-            if routed_experts is not None and layer.is_moe:
-                replay = routed_experts[:, :, len(routes)]
+            layer_replay = _moe_layer(replay, len(routes)) if layer.is_moe else (None, None)
             if cache is None:
                 x, rec = _layer_forward(nnx.graphdef(layer), remat)(
-                    nnx.state(layer), x, cos, sin, mask, replay)
+                    nnx.state(layer), x, cos, sin, mask, layer_replay)
             else:
-                x, layer_cache, rec = layer(x, cos, sin, mask, cache[i], cache_index, replay)
+                x, layer_cache, rec = layer(x, cos, sin, mask, cache[i], cache_index,
+                                            *layer_replay)
                 assert layer_cache is not None  # a layer given a cache returns it updated
                 new_cache.append(layer_cache)
             if rec is not None:
                 routes.append(rec)
-        if routes:
-            stacked = [jnp.stack(field, axis=2) for field in
-                       ([r.router_logits for r in routes], [r.router_topk for r in routes],
-                        [r.experts_used for r in routes])]
-        else:
-            stacked = None
+        stacked = [jnp.stack([getattr(r, name) for r in routes], axis=2)
+                   for name in _ROUTE_FIELDS] if routes else None
         return self._finish(x, stacked, b, t, k), (None if cache is None else tuple(new_cache))
 
-    def _scan_layers(self, x: Array, cos: Array, sin: Array, mask: Array,
-                     routed_experts: Array | None, remat: str
-                     ) -> tuple[Array, list[Array] | None]:
+    def _scan_layers(self, x: Array, cos: Array, sin: Array, mask: Array, replay: Replay,
+                     remat: str) -> tuple[Array, list[Array] | None]:
         """All (alike) layers as one scan; returns x and the stacked [B, T, L, ...] routes."""
         layer_fn = _layer_forward(nnx.graphdef(self.layers[0]), remat)
         params = jax.tree.map(lambda *ws: jnp.stack(ws),
                               *[nnx.state(layer) for layer in self.layers])
-        replay = None if routed_experts is None else jnp.moveaxis(routed_experts, 2, 0)
+        per_layer = tuple(None if a is None else jnp.moveaxis(jnp.asarray(a), 2, 0)
+                          for a in replay)
 
         def body(x, xs):
             state, layer_replay = xs
             x, rec = layer_fn(state, x, cos, sin, mask, layer_replay)
-            ys = None if rec is None else (rec.router_logits, rec.router_topk, rec.experts_used)
+            ys = None if rec is None else tuple(getattr(rec, n) for n in _ROUTE_FIELDS)
             return x, ys
 
-        x, ys = jax.lax.scan(body, x, (params, replay))
+        x, ys = jax.lax.scan(body, x, (params, per_layer))
         return x, None if ys is None else [jnp.moveaxis(y, 0, 2) for y in ys]
 
     def _finish(self, x: Array, stacked: list[Array] | None, b: int, t: int, k: int
                 ) -> BackboneOutput:
-        """Final norm; ``stacked`` = [router_logits, router_topk, experts_used]."""
+        """Final norm; ``stacked``: the :data:`_ROUTE_FIELDS` stacked over the MoE layers."""
         cfg = self.config
         if stacked is None:
             none = jnp.zeros((b, t, 0, k), jnp.int32)
-            stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none]
+            stacked = [jnp.zeros((b, t, 0, max(cfg.num_experts, 0)), jnp.float32), none, none,
+                       jnp.zeros((b, t, 0, k), jnp.float32)]
         return BackboneOutput(self.norm(x), *stacked)
 
 
+def _moe_layer(replay: Replay, j: int) -> Replay:
+    """The replay of the j-th MoE layer: [B, T, k] slices of the [B, T, L, k] arrays."""
+    experts, gates = replay
+    return (None if experts is None else jnp.asarray(experts)[:, :, j],
+            None if gates is None else jnp.asarray(gates)[:, :, j])
+
+
 def _layer_forward(graphdef: nnx.GraphDef, remat: str):
-    """``(layer state, x, cos, sin, valid, replay) -> (x, RouteRecord | None)`` of one
-    decoder layer's full-sequence forward, rematerialised by ``REMAT_POLICIES[remat]``."""
+    """``(layer state, x, cos, sin, valid, (experts, gates)) -> (x, RouteRecord | None)`` of
+    one decoder layer's full-sequence forward, rematerialised by ``REMAT_POLICIES[remat]``."""
 
     def forward(state, x, cos, sin, valid, replay):
-        x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, valid, None, 0, replay)
+        x, _, rec = nnx.merge(graphdef, state)(x, cos, sin, valid, None, 0, *replay)
         return constrain(x, ACTIVATION), rec
 
     if remat == "none":

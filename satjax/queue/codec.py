@@ -37,10 +37,12 @@ from satjax.trajectory import Trajectory
 # ===================================================================================
 SCHEMA_VERSION = pb2.SCHEMA_VERSION_1
 TOKEN_DTYPE = np.dtype("<i4")      # prompt_tokens, response_tokens
+VERSION_DTYPE = np.dtype("<i4")    # token_versions
 LOGPROB_DTYPE = np.dtype("<f4")    # behavior_logprobs
 ROUTE_DTYPES: dict[str, np.dtype] = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"),
                                     "int32": np.dtype("<i4")}
 LOGIT_DTYPES = {"float16": np.dtype("<f2")}
+GATE_DTYPES = {"float16": np.dtype("<f2")}
 VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5  # protobuf wire types
 MAX_MESSAGE_MB = 64.0  # default gRPC message size limit of server and client alike
 
@@ -87,6 +89,8 @@ _ROUTES = _numbers(pb2.RoutedExperts.DESCRIPTOR)
 _ROUTES_WIRE = _wire_types(pb2.RoutedExperts.DESCRIPTOR)
 _LOGITS = _numbers(pb2.RouterLogits.DESCRIPTOR)
 _LOGITS_WIRE = _wire_types(pb2.RouterLogits.DESCRIPTOR)
+_GATES = _numbers(pb2.RoutedGates.DESCRIPTOR)
+_GATES_WIRE = _wire_types(pb2.RoutedGates.DESCRIPTOR)
 _TIMING = _numbers(pb2.Timing.DESCRIPTOR)
 _MAP_ENTRY = _numbers(pb2.Trajectory.DESCRIPTOR.fields_by_name["reward_details"].message_type)
 _REPLY = _numbers(pb2.GetBatchReply.DESCRIPTOR)
@@ -96,7 +100,7 @@ REPLY_TRAJECTORIES = _REPLY["trajectories"]
 _STRING_FIELDS = {_TRAJ[n]: n for n in ("trajectory_id", "group_id", "prompt_id",
                                          "finish_reason", "engine")}
 _ARRAY_FIELDS = {_TRAJ[n]: n for n in ("prompt_tokens", "response_tokens",
-                                        "behavior_logprobs")}
+                                        "behavior_logprobs", "token_versions")}
 _UINT32_FIELDS = {_TRAJ[n]: n for n in ("schema_version", "group_size")}
 _TIMING_FIELDS = {num: name for name, num in _TIMING.items()}
 _REWARD_DETAILS = _TRAJ["reward_details"]  # the one repeated field of Trajectory
@@ -218,9 +222,11 @@ class _Timing:
 
 
 class _Packed:
-    """RoutedExperts / RouterLogits view: data (memoryview), dtype, shape, num_experts.
+    """RoutedExperts / RoutedGates / RouterLogits view: data (memoryview), dtype, shape,
+    num_experts.
 
-    Both messages number data/dtype/shape alike; RouterLogits has no num_experts (stays 0).
+    The three messages number data/dtype/shape alike; only RoutedExperts has num_experts
+    (0 in the others).
     """
 
     __slots__ = ("data", "dtype", "shape", "num_experts")
@@ -254,7 +260,7 @@ class TrajectoryView:
     __slots__ = ("schema_version", "trajectory_id", "group_id", "prompt_id", "group_size",
                  "prompt_tokens", "response_tokens", "behavior_logprobs", "policy_version",
                  "reward", "reward_details", "finish_reason", "routed_experts",
-                 "router_logits", "engine", "timing")
+                 "routed_gates", "router_logits", "token_versions", "engine", "timing")
 
     def __init__(self, buf: bytes | memoryview):
         buf = memoryview(buf)
@@ -263,9 +269,11 @@ class TrajectoryView:
         self.engine = ""
         empty = memoryview(b"")
         self.prompt_tokens = self.response_tokens = self.behavior_logprobs = empty
+        self.token_versions = empty  # absent: every token sampled by policy_version
         self.reward = 0.0
         self.reward_details: dict[str, float] = {}
         self.routed_experts: _Packed | None = None
+        self.routed_gates: _Packed | None = None
         self.router_logits: _Packed | None = None
         self.timing = _Timing()
         seen: set[int] = set()
@@ -290,6 +298,9 @@ class TrajectoryView:
                 elif field == _TRAJ["routed_experts"]:
                     self.routed_experts = _Packed(value, pb2.RoutedExperts.DESCRIPTOR,
                                                   _ROUTES, _ROUTES_WIRE)
+                elif field == _TRAJ["routed_gates"]:
+                    self.routed_gates = _Packed(value, pb2.RoutedGates.DESCRIPTOR,
+                                                _GATES, _GATES_WIRE)
                 elif field == _TRAJ["router_logits"]:
                     self.router_logits = _Packed(value, pb2.RouterLogits.DESCRIPTOR,
                                                  _LOGITS, _LOGITS_WIRE)
@@ -309,24 +320,32 @@ class TrajectoryView:
         return getattr(self, name) is not None
 
 
+def _packed_array(p: _Packed | None, dtypes: Mapping[str, np.dtype]) -> np.ndarray | None:
+    """A float16 copy of a RoutedGates / RouterLogits view (None when absent)."""
+    if p is None:
+        return None
+    return np.frombuffer(p.data, dtypes[p.dtype]).reshape(tuple(p.shape)).copy()
+
+
 def decode(buf: bytes | memoryview, *, compact_routes: bool = False) -> Trajectory:
     """Trajectory from wire bytes (the inverse of :func:`encode`).
 
     Token and log-prob arrays are fresh copies. Routes are int32 copies, or with
     ``compact_routes`` read-only uint8/uint16 views into ``buf`` (no copy; the trainer
-    widens them when it pads its batch). Router logits are float16 copies.
+    widens them when it pads its batch). Gates and router logits are float16 copies;
+    ``token_versions`` an int32 copy, or None when the record has none (every token from
+    ``policy_version``).
     """
     v = TrajectoryView(buf)
     if v.schema_version != SCHEMA_VERSION:
         raise WireError(f"schema_version: must be {SCHEMA_VERSION}, got {v.schema_version!r}")
-    routes = logits = None
+    routes = None
     if v.routed_experts is not None:
         r = v.routed_experts
         view = np.frombuffer(r.data, ROUTE_DTYPES[r.dtype]).reshape(tuple(r.shape))
         routes = view if compact_routes else view.astype(np.int32)
-    if v.router_logits is not None:
-        lg = v.router_logits
-        logits = np.frombuffer(lg.data, LOGIT_DTYPES[lg.dtype]).reshape(tuple(lg.shape)).copy()
+    versions = (np.frombuffer(v.token_versions, VERSION_DTYPE).astype(np.int32)
+                if len(v.token_versions) else None)
     return Trajectory(
         trajectory_id=v.trajectory_id, group_id=v.group_id, prompt_id=v.prompt_id,
         prompt_tokens=np.frombuffer(v.prompt_tokens, TOKEN_DTYPE).astype(np.int32),
@@ -334,7 +353,9 @@ def decode(buf: bytes | memoryview, *, compact_routes: bool = False) -> Trajecto
         behavior_logprobs=np.frombuffer(v.behavior_logprobs, LOGPROB_DTYPE).astype(np.float32),
         policy_version=v.policy_version, reward=v.reward, group_size=v.group_size,
         reward_details=dict(v.reward_details), finish_reason=v.finish_reason,
-        routed_experts=routes, router_logits=logits, engine=v.engine,
+        routed_experts=routes, routed_gates=_packed_array(v.routed_gates, GATE_DTYPES),
+        router_logits=_packed_array(v.router_logits, LOGIT_DTYPES), token_versions=versions,
+        engine=v.engine,
         created_unix=v.timing.created_unix, generation_seconds=v.timing.generation_seconds)
 
 
@@ -424,17 +445,29 @@ def encode_parts(traj: Trajectory, *, num_experts: int | None = None) -> list[Bu
         parts += _sub_message(f["routed_experts"], _packed_parts(
             _ROUTES, _array_bytes(routes, ROUTE_DTYPES[name]), name, routes.shape,
             int(num_experts or 0)))
-    if traj.router_logits is not None:
-        logits = np.asarray(traj.router_logits)
-        if logits.ndim != 3:
-            raise ValueError(f"router_logits: must have shape [rows, L, E], got {logits.shape}")
-        parts += _sub_message(f["router_logits"], _packed_parts(
-            _LOGITS, _array_bytes(logits, LOGIT_DTYPES["float16"]), "float16", logits.shape))
+    parts += _float16s("router_logits", _LOGITS, traj.router_logits, "[rows, L, E]")
     parts += _str(f["engine"], traj.engine)
     timing = b"".join(_dbl(_TIMING["created_unix"], float(traj.created_unix))
                       + _dbl(_TIMING["generation_seconds"], float(traj.generation_seconds)))
     parts += _len_field(f["timing"], timing)
+    # fields in number order, as protobuf writes them
+    parts += _float16s("routed_gates", _GATES, traj.routed_gates, "[rows, L, k]")
+    if traj.token_versions is not None:
+        parts += _len_field(f["token_versions"],
+                            _array_bytes(traj.token_versions, VERSION_DTYPE))
     return parts
+
+
+def _float16s(name: str, numbers: Mapping[str, int], value, dims: str) -> list[Buffer]:
+    """The RoutedGates / RouterLogits field ``name`` of ``value`` [rows, L, *] (none for
+    None)."""
+    if value is None:
+        return []
+    arr = np.asarray(value)
+    if arr.ndim != 3:
+        raise ValueError(f"{name}: must have shape {dims}, got {arr.shape}")
+    return _sub_message(_TRAJ[name], _packed_parts(
+        numbers, _array_bytes(arr, GATE_DTYPES["float16"]), "float16", arr.shape))
 
 
 def encode(traj: Trajectory, *, num_experts: int | None = None) -> bytes:

@@ -15,17 +15,21 @@ import numpy as np
 
 from satjax.queue._proto import pb2
 from satjax.queue.codec import (
+    GATE_DTYPES,
     LOGIT_DTYPES,
     LOGPROB_DTYPE,
     ROUTE_DTYPES,
     SCHEMA_VERSION,
     TOKEN_DTYPE,
+    VERSION_DTYPE,
     TrajectoryView,
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
 # the trainer computes in float32: a float64 value beyond this is inf there
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# gate weights are probabilities; float16 rounds a weight of 1 up to at most this
+GATE_MAX = 1.0 + 2.0 ** -10
 TrajectoryLike: TypeAlias = pb2.Trajectory | TrajectoryView  # same attribute names
 
 
@@ -179,10 +183,15 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
         if num_experts is not None and logits_e != num_experts:
             return Problem("router_logits", f"router_logits.shape: E must be the server's "
                                             f"num_experts {num_experts}, got {logits_e!r}")
-        if np.isnan(np.frombuffer(lg.data, LOGIT_DTYPES[lg.dtype])).any():
-            return Problem("router_logits", "router_logits.data: must not be NaN, got a NaN")
+        if not np.isfinite(np.frombuffer(lg.data, LOGIT_DTYPES[lg.dtype])).all():
+            return Problem("router_logits", "router_logits.data: must be finite, got a "
+                                            "non-finite value")
     r = msg.routed_experts if msg.HasField("routed_experts") else None
+    g = msg.routed_gates if msg.HasField("routed_gates") else None
     if r is None:
+        if g is not None:
+            return Problem("routed_gates", "routed_gates: must come with routed_experts (the "
+                                           "gate weights of those experts), got none")
         return None
     if r.dtype not in ROUTE_DTYPES:
         return Problem("routed_experts", f"routed_experts.dtype: must be one of "
@@ -217,6 +226,48 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
     if num_experts is not None and ids.max() >= num_experts:
         return Problem("routed_experts", f"routed_experts: expert ids must be in "
                                          f"[0, {num_experts}), got {int(ids.max())!r}")
+    return None if g is None else _check_gates(g, list(r.shape), rows)
+
+
+def _check_gates(g, routes_shape: list[int], rows: int) -> Problem | None:
+    """routed_gates: float16 of routed_experts' shape, each weight in [0, 1]."""
+    if g.dtype not in GATE_DTYPES:
+        return Problem("routed_gates", f"routed_gates.dtype: must be one of "
+                                       f"{tuple(GATE_DTYPES)}, got {g.dtype!r}")
+    bad = _shape("routed_gates", g.shape, g.data, GATE_DTYPES[g.dtype], rows)
+    if bad:
+        return bad
+    if list(g.shape) != routes_shape:
+        return Problem("routed_gates", f"routed_gates.shape: must equal routed_experts' "
+                                       f"{routes_shape}, got {list(g.shape)!r}")
+    w = np.frombuffer(g.data, GATE_DTYPES[g.dtype])
+    if not np.isfinite(w).all():
+        return Problem("routed_gates", "routed_gates.data: must be finite, got a non-finite "
+                                       "value")
+    if w.min() < 0 or w.max() > GATE_MAX:
+        return Problem("routed_gates", f"routed_gates.data: gate weights must be in [0, 1], "
+                                       f"got {float(w.min())!r}..{float(w.max())!r}")
+    return None
+
+
+def _check_versions(msg: TrajectoryLike, n: int) -> Problem | None:
+    """token_versions (when present): int32 [N], non-decreasing (a worker only moves
+    forward), the oldest equal to policy_version (the queue's lag rule reads that)."""
+    if not len(msg.token_versions):
+        return None
+    versions, bad = _packed(msg.token_versions, VERSION_DTYPE, "token_versions")
+    if bad:
+        return bad
+    assert versions is not None
+    if len(versions) != n:
+        return Problem("token_versions", f"token_versions: must have one value per response "
+                                         f"token ({n}), got {len(versions)!r}")
+    if (np.diff(versions) < 0).any():
+        return Problem("token_versions", "token_versions: must be non-decreasing, got a "
+                                         "version older than the one before it")
+    if int(versions[0]) != msg.policy_version:
+        return Problem("token_versions", f"token_versions: the oldest must be policy_version "
+                                         f"{msg.policy_version}, got {int(versions[0])!r}")
     return None
 
 
@@ -228,4 +279,4 @@ def validate(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     p, n, bad = _check_tokens(msg, limits)
     if bad:
         return bad
-    return _check_routing(msg, p + n - 1, limits)
+    return _check_versions(msg, n) or _check_routing(msg, p + n - 1, limits)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -34,20 +34,53 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Completion:
-    """One sampled response. routed_experts: int32 [P + N - 1, L, k] (vLLM convention)."""
+    """One sampled response (P prompt tokens, N response tokens, L MoE layers, top-k of E).
+
+    routed_experts int32   [P + N - 1, L, k]  (vLLM's convention: one row per input
+                                              position but the last)
+    routed_gates   float16 [P + N - 1, L, k] or None  their gate weights (the normalised
+                                              top-k probabilities)
+    router_logits  float16 [P + N - 1, L, E] or None  when the engine records them
+    token_versions int32   [N] or None  the version that sampled each response token
+                                (None: all the version the engine served for the call)
+    """
 
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
     logprobs: np.ndarray
     routed_experts: np.ndarray
     finish_reason: Literal["stop", "length"]
+    routed_gates: np.ndarray | None = None
+    router_logits: np.ndarray | None = None
+    token_versions: np.ndarray | None = None
+
+    def cut(self, n: int) -> Completion:
+        """The first ``n`` response tokens, with their rows of the router record."""
+        rows = len(self.prompt_tokens) + n - 1
+
+        def head(a: np.ndarray | None, m: int) -> np.ndarray | None:
+            return None if a is None else a[:m]
+
+        return dataclasses.replace(
+            self, response_tokens=self.response_tokens[:n], logprobs=self.logprobs[:n],
+            routed_experts=self.routed_experts[:rows], routed_gates=head(self.routed_gates, rows),
+            router_logits=head(self.router_logits, rows),
+            token_versions=head(self.token_versions, n))
+
+
+# Called by an engine between two segments of a batch under ``rollout.partial``: loads the
+# version the trainer now wants, if it changed (the rollout worker's ``maybe_sync``); True
+# when the engine then serves new weights.
+Sync = Callable[[], bool]
 
 
 class Engine(Protocol):
     """A sampler serving one policy version at a time.
 
     ``generate`` returns, per prompt, the response tokens, the log-prob of each under
-    the processed sampling distribution, and the routed experts ``[P+N-1, L, k]``.
+    the processed sampling distribution, the routed experts ``[P+N-1, L, k]`` with their
+    gate weights, and the version of each token. With ``sync`` it calls it between
+    segments of the batch and goes on with the weights it then serves (a partial rollout).
     """
 
     name: str
@@ -65,7 +98,8 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+        sync: Sync | None = None,
     ) -> list[Completion]: ...
 
     def canary_logprobs(self, tokens: list[int]) -> list[float]:

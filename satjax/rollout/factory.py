@@ -19,7 +19,9 @@ def make_engine(rollout_cfg, tokenizer, log_dir: Path | None = None, *, seed: in
         from satjax.rollout.vllm_engine import VllmEngine
 
         return VllmEngine(python=rollout_cfg.vllm_python, dtype=rollout_cfg.sample_dtype,
-                          seed=seed, log_dir=log_dir)
+                          seed=seed, log_dir=log_dir,
+                          record_router_logits=rollout_cfg.record_router_logits)
     from satjax.rollout.builtin_engine import BuiltinEngine
 
-    return BuiltinEngine(rollout_cfg.sample_dtype, pad_id=tokenizer.pad_id)
+    return BuiltinEngine(rollout_cfg.sample_dtype, pad_id=tokenizer.pad_id,
+                         record_router_logits=rollout_cfg.record_router_logits)

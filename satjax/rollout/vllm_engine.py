@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from satjax.rollout.engine import Completion, SamplingParams
+from satjax.rollout.engine import Completion, SamplingParams, Sync
 from satjax.utils import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +152,7 @@ class VllmEngine:
         max_concurrency: int = 64,
         log_dir: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
+        record_router_logits: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -159,6 +160,9 @@ class VllmEngine:
             raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
+        if record_router_logits:
+            raise ValueError("record_router_logits: not supported by the vLLM engine yet (its "
+                             "plug-in records the routed expert ids only)")
         self.python = resolve_python(python or "")
         self.dtype = dtype
         self.canary_atol = _CANARY_ATOL[dtype]
@@ -332,9 +336,13 @@ class VllmEngine:
         self.version = int(version)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, seed: int
+        self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
+        sync: Sync | None = None,
     ) -> list[Completion]:
-        """One completion per prompt; requests run concurrently (vLLM batches them)."""
+        """One completion per prompt; requests run concurrently (vLLM batches them). No
+        ``sync``: a batch is sampled by one version (no partial rollouts yet)."""
+        if sync is not None:
+            raise ValueError("sync: partial rollouts are not supported by the vLLM engine yet")
         if not prompts:
             raise ValueError("prompts must be a non-empty list")
         if any(len(p) == 0 for p in prompts):

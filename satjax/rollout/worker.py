@@ -17,6 +17,13 @@ may therefore join and leave at any time. A group the queue refuses (e.g. longer
 the trainer's largest bucket) stops the worker with :class:`QueueRejectedError` naming
 the reason: never a silently lost group.
 
+With ``partial`` (``rollout.partial``) a batch is not bound to one version: between two
+segments of its decode the worker loads the version the trainer wants, and the engine goes
+on with it (the built-in sampler from its KV cache). Each token then carries the version
+that sampled it (``Trajectory.token_versions``, with its log-prob and its routes from that
+version), and ``policy_version`` is the oldest token's, so the queue's lag rule and
+``max_lag`` apply to the oldest token without any change on the queue's side.
+
 Responses cut at ``max_new_tokens`` are kept (``finish_reason`` "length",
 ``Trajectory.truncated``), with DAPO's overlong penalty added to their reward when
 ``rollout.overlong`` is "penalty" (the trainer masks them out for "mask").
@@ -40,7 +47,7 @@ from satjax.data.prompts import PromptFormat
 from satjax.data.rewards import overlong_penalty
 from satjax.data.tasks import Example
 from satjax.queue.client import QueueStorageError
-from satjax.rollout.engine import Completion, Engine, SamplingParams
+from satjax.rollout.engine import Completion, Engine, SamplingParams, Sync
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import (
     WeightSubscriber,
@@ -64,7 +71,9 @@ class WorkerConfig:
     seed: int = 0
     worker_id: str = "w0"
     pause_poll_s: float = 0.05
-    record_routes: bool = True
+    record_routes: bool = True  # routed experts and their gate weights
+    # partial rollouts: load new weights between decode segments of a batch (see above)
+    partial: bool = False
     prompt: PromptFormat = dataclasses.field(default_factory=PromptFormat)
     # stop strings of several tokens (one-token ones are sampling.stop_token_ids): a
     # response is cut after the first token that completes one
@@ -98,10 +107,7 @@ def cut_at_stop(c: Completion, tokenizer, stops: tuple[str, ...]) -> Completion:
             hi = mid
         else:
             lo = mid + 1
-    p = len(c.prompt_tokens)
-    return Completion(prompt_tokens=c.prompt_tokens, response_tokens=c.response_tokens[:lo],
-                      logprobs=c.logprobs[:lo], routed_experts=c.routed_experts[:p + lo - 1],
-                      finish_reason="stop")
+    return dataclasses.replace(c.cut(lo), finish_reason="stop")
 
 
 class RolloutWorker:
@@ -174,9 +180,11 @@ class RolloutWorker:
         return True
 
     # -- one batch -----------------------------------------------------------------
-    def generate_groups(self) -> list[Trajectory]:
+    def generate_groups(self, sync: Sync | None = None) -> list[Trajectory]:
         """Samples one batch of groups with the loaded weights and scores it; the groups
-        are contiguous, ``group_size`` trajectories each."""
+        are contiguous, ``group_size`` trajectories each. ``sync``: what the engine calls
+        between decode segments (default: :meth:`maybe_sync` under ``partial``, nothing
+        otherwise)."""
         cfg = self.cfg
         examples = [next(self.examples) for _ in range(cfg.prompts_per_batch)]
         prompts = [encode_prompt(self.tok, ex, cfg.prompt)
@@ -188,7 +196,9 @@ class RolloutWorker:
         if version is None:
             raise RuntimeError("generate_groups called before any weights were loaded")
         t0 = time.time()
-        completions = self.engine.generate(prompts, cfg.sampling, seed)
+        if sync is None and cfg.partial and self.subscriber is not None:
+            sync = self.maybe_sync
+        completions = self.engine.generate(prompts, cfg.sampling, seed, sync=sync)
         seconds = (time.time() - t0) / max(1, len(completions))
         out = []
         for g, ex in enumerate(examples):
@@ -202,6 +212,11 @@ class RolloutWorker:
                                                c.finish_reason == "length",
                                                cfg.sampling.max_new_tokens,
                                                cfg.overlong_buffer, cfg.overlong_penalty)
+                versions = (np.full(len(c.response_tokens), version, np.int32)
+                            if c.token_versions is None
+                            else np.asarray(c.token_versions, np.int32))
+                spans = bool(versions.size) and versions.min() != versions.max()
+                routes = cfg.record_routes
                 out.append(
                     Trajectory(
                         trajectory_id=f"{group_id}-{j}",
@@ -210,13 +225,20 @@ class RolloutWorker:
                         prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
                         response_tokens=np.asarray(c.response_tokens, np.int32),
                         behavior_logprobs=np.asarray(c.logprobs, np.float32),
-                        policy_version=int(version),
+                        # the oldest token's: the queue's lag rule and max_lag apply to it
+                        policy_version=int(versions.min()) if versions.size else int(version),
                         reward=reward,
                         group_size=cfg.group_size,
                         finish_reason=c.finish_reason,
                         routed_experts=(
-                            np.asarray(c.routed_experts, np.int32) if cfg.record_routes else None
+                            np.asarray(c.routed_experts, np.int32) if routes else None
                         ),
+                        routed_gates=(None if not routes or c.routed_gates is None
+                                      else np.asarray(c.routed_gates, np.float16)),
+                        router_logits=(None if c.router_logits is None
+                                       else np.asarray(c.router_logits, np.float16)),
+                        # only a partial rollout sends them; else all are policy_version
+                        token_versions=versions if spans else None,
                         engine=self.engine.name,
                         created_unix=time.time(),
                         generation_seconds=seconds,

@@ -34,6 +34,8 @@ class Batch:
       routed_experts    int32   [B, T, L, k] or None  the engine's experts; row t = the
                                          experts token t was routed to (last real position
                                          zeros)
+      routed_gates      float16 [B, T, L, k] or None  their gate weights (same rows)
+      router_logits     float16 [B, T, L, E] or None  the engine's full router logits
       advantages        float32 [B] or None  precomputed advantages (else from rewards)
       old_logprobs      float32 [B, T] or None  the proximal policy's log-probs, when the
                                          objective's ratio is taken against them
@@ -49,6 +51,8 @@ class Batch:
     group_ids: jax.Array
     policy_versions: jax.Array
     routed_experts: jax.Array | None = None
+    routed_gates: jax.Array | None = None
+    router_logits: jax.Array | None = None
     advantages: jax.Array | None = None
     old_logprobs: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=1)
@@ -99,7 +103,8 @@ def make_batch(
       pad_id: token id of padding.
       num_layers_moe, top_k: expected (L, k) of ``routed_experts`` (checked when given;
         otherwise taken from the first trajectory). Routes are all-or-nothing: either every
-        trajectory carries ``routed_experts`` or none does.
+        trajectory carries ``routed_experts`` or none does; so are ``routed_gates`` and
+        ``router_logits``, each of the shape of the first trajectory's.
       batch_multiple: B is padded up to a multiple of lcm(batch_multiple, group_size)
         with fully masked rows (pass the data-parallel size of the mesh).
       min_rows: B is at least this (padded the same way): a batch that may come short
@@ -143,18 +148,22 @@ def make_batch(
     n = len(ordered)
     B = -(-max(n, min_rows) // multiple) * multiple
 
-    with_routes = [t for t in ordered if t.routed_experts is not None]
-    if with_routes and len(with_routes) != len(ordered):
-        missing = next(t for t in ordered if t.routed_experts is None)
-        raise ValueError(
-            f"trajectory {missing.trajectory_id!r} has no routed_experts while others do; "
-            "routes must be present on all trajectories of a batch or on none"
-        )
+    for name in ("routed_experts", "routed_gates", "router_logits"):
+        have = [t for t in ordered if getattr(t, name) is not None]
+        if have and len(have) != len(ordered):
+            missing = next(t for t in ordered if getattr(t, name) is None)
+            raise ValueError(
+                f"trajectory {missing.trajectory_id!r} has no {name} while others do; "
+                f"{name} must be present on all trajectories of a batch or on none")
+    with_routes = ordered[0].routed_experts is not None
     if with_routes:
-        first = with_routes[0].routed_experts
-        assert first is not None  # with_routes holds the trajectories with routes
+        first = ordered[0].routed_experts
+        assert first is not None
         L = num_layers_moe if num_layers_moe is not None else first.shape[1]
         k = top_k if top_k is not None else first.shape[2]
+    if ordered[0].routed_gates is not None and not with_routes:
+        raise ValueError(f"trajectory {ordered[0].trajectory_id!r}: routed_gates without "
+                         "routed_experts")
 
     tokens = np.full((B, T), pad_id, np.int32)
     attn = np.zeros((B, T), np.int32)
@@ -165,6 +174,11 @@ def make_batch(
     versions = np.full((B,), -1, np.int32)
     adv = np.zeros((B,), np.float32) if adv_by_id is not None else None
     routes = np.zeros((B, T, L, k), np.int32) if with_routes else None
+    gates = (np.zeros((B, T, L, k), np.float16) if ordered[0].routed_gates is not None
+             else None)
+    first_logits = ordered[0].router_logits
+    logits = (None if first_logits is None
+              else np.zeros((B, T, *np.shape(first_logits)[1:]), np.float16))
 
     gid_index: dict[str, int] = {}
     for i, t in enumerate(ordered):
@@ -194,6 +208,14 @@ def make_batch(
                     f"{(P + N - 1, L, k)} (P + N - 1 rows, L={L} MoE layers, top_k={k})"
                 )
             routes[i, : P + N - 1] = r
+        for name, out in (("routed_gates", gates), ("router_logits", logits)):
+            value = getattr(t, name)
+            if out is not None and value is not None:
+                if np.shape(value) != (P + N - 1, *out.shape[2:]):
+                    raise ValueError(
+                        f"trajectory {t.trajectory_id!r}: {name} shape {np.shape(value)}, "
+                        f"expected {(P + N - 1, *out.shape[2:])}")
+                out[i, : P + N - 1] = value
     # padding rows form whole fake groups with fresh ids, fully masked
     for i in range(n, B):
         group_ids[i] = len(gid_index) + (i - n) // group_size
@@ -201,6 +223,7 @@ def make_batch(
     return Batch(
         tokens=tokens, attention_mask=attn, loss_mask=loss_mask,  # type: ignore[arg-type]
         behavior_logprobs=blp, rewards=rewards, group_ids=group_ids,  # type: ignore[arg-type]
-        policy_versions=versions, routed_experts=routes, advantages=adv,  # type: ignore[arg-type]
+        policy_versions=versions, routed_experts=routes,  # type: ignore[arg-type]
+        routed_gates=gates, router_logits=logits, advantages=adv,  # type: ignore[arg-type]
         group_size=group_size,
     )

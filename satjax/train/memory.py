@@ -71,7 +71,7 @@ def abstract_batch(cfg: Config, mcfg: Qwen3MoeConfig, rows: int, seq_len: int) -
         return jax.ShapeDtypeStruct(shape, dtype)
 
     routes = None
-    if cfg.train.replay and cfg.rollout.record_routes and mcfg.moe_layer_indices:
+    if cfg.train.replay != "off" and cfg.rollout.record_routes and mcfg.moe_layer_indices:
         routes = s((rows, seq_len, len(mcfg.moe_layer_indices), mcfg.num_experts_per_tok),
                    jnp.int32)
     tokens = (rows, seq_len)
@@ -122,7 +122,8 @@ def residuals_per_sequence(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int) -> i
                                                        **model_options(cfg)))
     # flax annotates split as (graphdef, state, *states); two filters give three
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-    replay = cfg.train.replay and cfg.rollout.record_routes and bool(mcfg.moe_layer_indices)
+    replay = (cfg.train.replay != "off" and cfg.rollout.record_routes
+              and bool(mcfg.moe_layer_indices))
 
     def saved(rows: int) -> int:
         ids = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)

@@ -5,7 +5,8 @@ it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` (1 when th
 was skipped), ``tokens``, ``sequences``, ``reward_mean``,
 ``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's
 metrics (``kl_k3`` among them), the staleness diagnostics ``token_gate_frac`` and
-``token_extreme_frac`` (``satjax.train.step.staleness_metrics``) and the router's metrics.
+``token_extreme_frac`` (``satjax.train.step.staleness_metrics``) and the router's metrics
+(``router_mismatch*``, ``router_gate_diff*``, ``router_kl``).
 :func:`trajectory_metrics` adds what needs the raw trajectories; the run loop
 (``satjax/app/run.py``) adds the queue's and the wall clock's.
 """
@@ -43,14 +44,22 @@ def to_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 def trajectory_metrics(
     trajectories: Sequence[Trajectory], *, trainer_version: int
 ) -> dict[str, float]:
-    """``reward_max``, ``response_len_mean``, ``truncated_frac`` (cut at max_new_tokens)
-    and ``lag_hist/<lag>`` (how many trajectories were generated ``lag`` versions behind
-    ``trainer_version``, the version trained on them)."""
+    """``reward_max``, ``response_len_mean``, ``truncated_frac`` (cut at max_new_tokens),
+    ``lag_hist/<lag>`` (how many trajectories were generated ``lag`` versions behind
+    ``trainer_version``, the version trained on them, by their oldest token), and for
+    partial rollouts ``partial_frac`` (the share of trajectories sampled by more than one
+    version) and ``lag_token_mean`` (``trainer_version`` minus each response token's own
+    version, averaged over the tokens; equal to the trajectories' token-weighted lag
+    without partial rollouts)."""
     rewards = np.array([t.reward for t in trajectories], np.float32)
+    token_versions = np.concatenate([t.versions for t in trajectories])
     out = {
         "reward_max": float(rewards.max()),
         "response_len_mean": float(np.mean([len(t.response_tokens) for t in trajectories])),
         "truncated_frac": float(np.mean([t.truncated for t in trajectories])),
+        "partial_frac": float(np.mean([t.partial for t in trajectories])),
+        "lag_token_mean": float(np.mean(trainer_version - token_versions))
+        if token_versions.size else 0.0,
     }
     hist = Counter(trainer_version - t.policy_version for t in trajectories)
     out.update({f"lag_hist/{k}": float(v) for k, v in sorted(hist.items())})

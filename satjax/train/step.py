@@ -1,10 +1,11 @@
 """The jitted, mesh-sharded RL train step.
 
 One step: recompute the batch's token log-probs under the current weights (replaying the
-engine's routes when configured), compute group advantages, apply the configured objective
-(SAT-GSPO by default), take the gradient, apply the optimizer (whose Optax chain clips by
-global norm, see ``state.make_optimizer``). A step whose loss or gradient global norm is
-not finite leaves the parameters and optimizer state unchanged (``nonfinite_steps`` = 1).
+engine's experts, or its experts and gate weights, as ``replay`` says), compute group
+advantages, apply the configured objective (SAT-GSPO by default), take the gradient, apply
+the optimizer (whose Optax chain clips by global norm, see ``state.make_optimizer``). A step
+whose loss or gradient global norm is not finite leaves the parameters and optimizer state
+unchanged (``nonfinite_steps`` = 1).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
 statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
@@ -33,9 +34,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from satjax import losses, objectives, parallel
-from satjax.config import ObjectiveConfig
+from satjax.config import ObjectiveConfig, replay_mode
 from satjax.model import REMAT_POLICIES
-from satjax.model.logprobs import router_mismatch, token_logprobs, token_logprobs_entropy
+from satjax.model.logprobs import (
+    router_gate_stats,
+    router_mismatch,
+    token_logprobs,
+    token_logprobs_entropy,
+)
 from satjax.train.batch import Batch
 
 log = logging.getLogger(__name__)
@@ -88,11 +94,16 @@ def staleness_metrics(logprobs: jax.Array, behavior_logprobs: jax.Array,
     }
 
 
-def _route_metrics(router_topk: jax.Array, experts_used: jax.Array, batch: Batch) -> Metrics:
-    """Engine-vs-trainer routing mismatch (empty when the batch has no engine routes)."""
+def _route_metrics(router_topk: jax.Array, experts_used: jax.Array, gate_stats: Metrics,
+                   batch: Batch) -> Metrics:
+    """Engine-vs-trainer routing mismatch (empty when the batch has no engine routes) and
+    the means of the per-token gate statistics over the routed positions."""
     if batch.routed_experts is None:
         return {}
-    return router_mismatch(router_topk, experts_used, batch.routed_experts, batch.route_mask())
+    mask = batch.route_mask()
+    out = router_mismatch(router_topk, experts_used, batch.routed_experts, mask)
+    out.update({k: losses.masked_mean(v, mask) for k, v in gate_stats.items()})
+    return out
 
 
 def _split_micro(x: jax.Array, num: int) -> jax.Array:
@@ -128,7 +139,7 @@ class _TrainStep:
         mesh: Mesh,
         objective: str,
         objective_hp: Mapping[str, Any] | None,
-        replay: bool,
+        replay: bool | str,
         grad_accum: int,
         temperature: float,
         lr_schedule: optax.Schedule | None,
@@ -163,7 +174,7 @@ class _TrainStep:
         self.mesh = mesh
         self.objective_name = objective
         self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
-        self.replay = replay
+        self.replay = replay_mode(replay)
         self.grad_accum = grad_accum
         self.temperature = temperature
         self.lr_schedule = lr_schedule
@@ -203,21 +214,35 @@ class _TrainStep:
     # -- the step ---------------------------------------------------------------------
     def _logprobs_fn(self, gdm: nnx.GraphDef, rest: nnx.State, entropy: bool):
         """``(params, batch) -> (log-probs [B, T], entropy [B, T] or None, router_topk,
-        experts_used [B, T, L, k])`` of the model ``gdm`` with ``params`` and ``rest``."""
+        experts_used [B, T, L, k], per-token gate statistics {name: [B, T]})`` of the model
+        ``gdm`` with ``params`` and ``rest`` (``router_gate_stats``; empty without engine
+        gates). The statistics are reduced per micro-batch, so the router logits [B, T, L,
+        E] never leave it."""
 
         def logprobs_of(p: nnx.State, mb: Batch):
-            replayed = mb.routed_experts if self.replay else None
+            experts = mb.routed_experts if self.replay != "off" else None
+            gates = None
+            if self.replay == "gates":
+                if mb.routed_experts is None or mb.routed_gates is None:
+                    raise ValueError("train.replay 'gates': the batch has no routed_gates "
+                                     "(rollout.record_routes must be on and the engine must "
+                                     "record gate weights)")
+                gates = mb.routed_gates
             model = nnx.merge(gdm, p, rest)
+            kw: dict[str, Any] = dict(temperature=self.temperature, routed_experts=experts,
+                                      routed_gates=gates, remat=self.remat)
             if entropy:
-                lp, ent, out = token_logprobs_entropy(
-                    model, mb.tokens, mb.attention_mask, temperature=self.temperature,
-                    routed_experts=replayed, remat=self.remat)
+                lp, ent, out = token_logprobs_entropy(model, mb.tokens, mb.attention_mask, **kw)
             else:
-                lp, out = token_logprobs(model, mb.tokens, mb.attention_mask,
-                                         temperature=self.temperature,
-                                         routed_experts=replayed, remat=self.remat)
+                lp, out = token_logprobs(model, mb.tokens, mb.attention_mask, **kw)
                 ent = None
-            return lp, ent, out.router_topk, out.experts_used
+            stats: Metrics = {}
+            if mb.routed_experts is not None and mb.routed_gates is not None:
+                stats = jax.lax.stop_gradient(router_gate_stats(
+                    out.router_logits, out.experts_used, out.gate_weights, mb.routed_experts,
+                    mb.routed_gates, norm_topk_prob=model.config.norm_topk_prob,
+                    engine_logits=mb.router_logits))
+            return lp, ent, out.router_topk, out.experts_used, stats
 
         return logprobs_of
 
@@ -272,11 +297,11 @@ class _TrainStep:
         if A == 1:
 
             def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
-                lp, ent, topk, used = logprobs_of(p, batch)
+                lp, ent, topk, used, stats = logprobs_of(p, batch)
                 loss, oaux = total_loss(lp, ent)
                 oaux = {**oaux, **staleness_metrics(lp, obj_batch["behavior_logprobs"],
                                                     obj_batch["mask"])}
-                return loss, (oaux, _route_metrics(topk, used, batch))
+                return loss, (oaux, _route_metrics(topk, used, stats, batch))
 
             (loss, (oaux, raux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             return grads, loss, oaux, raux
@@ -286,14 +311,16 @@ class _TrainStep:
             raise ValueError(f"batch size {B} is not divisible by grad_accum={A}")
         micro = jax.tree.map(lambda x: _split_micro(x, A), batch)
 
-        lp_m, ent_m, topk_m, used_m = jax.lax.map(lambda mb: logprobs_of(params, mb), micro)
+        lp_m, ent_m, topk_m, used_m, stats_m = jax.lax.map(
+            lambda mb: logprobs_of(params, mb), micro)
         lp_full = _merge_micro(lp_m)
         ent_full = None if ent_m is None else _merge_micro(ent_m)
         (loss, oaux), g_out = jax.value_and_grad(
             lambda x: total_loss(*x), has_aux=True)((lp_full, ent_full))
         oaux = {**oaux, **staleness_metrics(lp_full, obj_batch["behavior_logprobs"],
                                             obj_batch["mask"])}
-        raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m), batch)
+        raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m),
+                              {k: _merge_micro(v) for k, v in stats_m.items()}, batch)
         g_micro = jax.tree.map(lambda g: _split_micro(g, A), g_out)
 
         def pull_back(acc: nnx.State, xs: tuple[Batch, Any]) -> tuple[nnx.State, None]:
@@ -435,7 +462,7 @@ def make_train_step(
     mesh: Mesh,
     objective: str = "sat_gspo",
     objective_hp: Mapping[str, Any] | None = None,
-    replay: bool = True,
+    replay: bool | str = "experts",
     grad_accum: int = 1,
     temperature: float = 1.0,
     lr_schedule: optax.Schedule | None = None,
@@ -458,7 +485,14 @@ def make_train_step(
         the logged ``grad_norm`` is the global norm before it.
       mesh: the device mesh (``parallel.make_mesh``).
       objective, objective_hp: ``satjax.objectives.make(objective, **objective_hp)``.
-      replay: replay the batch's engine routes (R3) when it carries them.
+      replay: what of the batch's engine router record the forward uses
+        (``satjax.config.REPLAY_MODES``; true/false mean "experts"/"off"): "off" the
+        trainer's own routing; "experts" (R3) the engine's experts, weighted by the
+        trainer router's gates of them; "gates" the engine's experts and gate weights,
+        straight-through so the router still gets a gradient (``satjax.model.moe.route``;
+        needs ``routed_gates``). Metrics beside ``router_mismatch*`` when the batch has
+        gates: ``router_gate_diff``, ``router_gate_diff_applied`` and, with router logits,
+        ``router_kl`` (``satjax.model.logprobs.router_gate_stats``).
       grad_accum: number of micro-batches (B must be divisible by it); exact.
       temperature: sampling temperature of the behavior policy.
       lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.

@@ -87,3 +87,24 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
     assert len(changed) == 3 and key not in changed
     with pytest.raises(ValueError, match="objective.name"):
         lag_sweep.run_config(spec, None, ["objective.name=grpo"], "out", "warm", 7, None)
+
+
+def test_partial_rollout_runs_move_to_the_next_version_mid_batch(tmp_path):
+    """``--set rollout.partial=true``: after its first decode segment each batch is sampled
+    by the next version, so its oldest tokens have the run's lag and the rest one less."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--config",
+           str(REPO / "configs/testbed.yaml"), "--out", str(tmp_path), "--variants", "gspo",
+           "--lags", "2", "--seeds", "0", "--steps", "3", "--eval-every", "3", "--jobs", "1",
+           "--set", "sft.steps=3", "--set", "eval.num_prompts=4", "--set", "eval.k=2",
+           "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+           "--set", "rollout.partial=true"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    assert [m["lag_mean"] for m in records] == [0.0, 1.0, 2.0]  # the oldest tokens' lag
+    assert records[0]["partial_frac"] == 0.0  # one version exists: nothing to move to
+    for m in records[1:]:  # responses longer than one segment span two versions
+        assert m["partial_frac"] > 0 and m["lag_token_mean"] < m["lag_mean"], m

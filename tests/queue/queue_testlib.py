@@ -13,11 +13,13 @@ import numpy as np
 
 from satjax.queue._proto import pb2
 from satjax.queue.codec import (
+    GATE_DTYPES,
     LOGIT_DTYPES,
     LOGPROB_DTYPE,
     ROUTE_DTYPES,
     SCHEMA_VERSION,
     TOKEN_DTYPE,
+    VERSION_DTYPE,
     route_dtype_name,
 )
 from satjax.trajectory import Trajectory
@@ -27,10 +29,13 @@ TOKEN = "test-token-0123456789"
 
 def make_traj(tid: str, group: str, *, version: int = 0, group_size: int = 1, p: int = 6,
               n: int = 5, layers: int = 2, k: int = 2, experts: int = 8, seed: int = 0,
-              routes: bool = True, logits: bool = False) -> Trajectory:
-    """A valid trajectory with random content (routes rows = p + n - 1)."""
+              routes: bool = True, logits: bool = False, gates: bool = False,
+              versions: bool = False) -> Trajectory:
+    """A valid trajectory with random content (routes rows = p + n - 1); ``gates``: with
+    routed gates (normalised, float16); ``versions``: token versions from ``version`` up."""
     rng = np.random.default_rng(seed)
     rows = p + n - 1
+    g = rng.random((rows, layers, k)) + 0.1
     return Trajectory(
         trajectory_id=tid, group_id=group, prompt_id="prompt-" + group,
         prompt_tokens=rng.integers(0, 1000, p, dtype=np.int32),
@@ -41,13 +46,16 @@ def make_traj(tid: str, group: str, *, version: int = 0, group_size: int = 1, p:
                         if routes else None),
         router_logits=(rng.normal(size=(rows, layers, experts)).astype(np.float16)
                        if logits else None),
+        routed_gates=(g / g.sum(-1, keepdims=True)).astype(np.float16) if gates else None,
+        token_versions=(version + np.arange(n, dtype=np.int32) // max(n // 2, 1)
+                        if versions else None),
     )
 
 
 def full_traj(experts: int) -> Trajectory:
     """Every field set to a non-default value (routes and logits for ``experts`` experts)."""
     t = make_traj("traj-ü", "group-1", version=17, group_size=4, p=9, n=13, layers=3, k=2,
-                  experts=experts, seed=3, logits=True)
+                  experts=experts, seed=3, logits=True, gates=True, versions=True)
     return dataclasses.replace(
         t, reward=-0.625, reward_details={"format": 1.0, "correct": -0.5},
         finish_reason="stop", engine="vllm-0.11", created_unix=1.7e9 + 0.25,
@@ -102,6 +110,13 @@ def to_proto(traj: Trajectory, *, num_experts: int | None = None) -> pb2.Traject
         msg.router_logits.data = np.ascontiguousarray(logits, LOGIT_DTYPES["float16"]).tobytes()
         msg.router_logits.dtype = "float16"
         msg.router_logits.shape.extend(int(s) for s in logits.shape)
+    if traj.routed_gates is not None:
+        gates = np.asarray(traj.routed_gates)
+        msg.routed_gates.data = np.ascontiguousarray(gates, GATE_DTYPES["float16"]).tobytes()
+        msg.routed_gates.dtype = "float16"
+        msg.routed_gates.shape.extend(int(s) for s in gates.shape)
+    if traj.token_versions is not None:
+        msg.token_versions = np.ascontiguousarray(traj.token_versions, VERSION_DTYPE).tobytes()
     return msg
 
 
@@ -117,13 +132,17 @@ def from_proto(msg: pb2.Trajectory) -> Trajectory:
     if msg.schema_version != SCHEMA_VERSION:
         raise ValueError(f"schema_version: must be {SCHEMA_VERSION}, "
                          f"got {msg.schema_version!r}")
-    routes = logits = None
+    routes = logits = gates = None
     if msg.HasField("routed_experts"):
         r = msg.routed_experts
         routes = _array(r.data, ROUTE_DTYPES[r.dtype], tuple(r.shape)).astype(np.int32)
     if msg.HasField("router_logits"):
         lg = msg.router_logits
         logits = _array(lg.data, LOGIT_DTYPES[lg.dtype], tuple(lg.shape))
+    if msg.HasField("routed_gates"):
+        gt = msg.routed_gates
+        gates = _array(gt.data, GATE_DTYPES[gt.dtype], tuple(gt.shape))
+    versions = _array(msg.token_versions, VERSION_DTYPE) if msg.token_versions else None
     return Trajectory(
         trajectory_id=msg.trajectory_id, group_id=msg.group_id, prompt_id=msg.prompt_id,
         prompt_tokens=_array(msg.prompt_tokens, TOKEN_DTYPE),
@@ -131,8 +150,9 @@ def from_proto(msg: pb2.Trajectory) -> Trajectory:
         behavior_logprobs=_array(msg.behavior_logprobs, LOGPROB_DTYPE),
         policy_version=int(msg.policy_version), reward=float(msg.reward),
         group_size=int(msg.group_size), reward_details=dict(msg.reward_details),
-        finish_reason=msg.finish_reason, routed_experts=routes, router_logits=logits,
-        engine=msg.engine, created_unix=float(msg.timing.created_unix),
+        finish_reason=msg.finish_reason, routed_experts=routes, routed_gates=gates,
+        router_logits=logits, token_versions=versions, engine=msg.engine,
+        created_unix=float(msg.timing.created_unix),
         generation_seconds=float(msg.timing.generation_seconds))
 
 

@@ -122,3 +122,24 @@ def test_route_dtype_name_matches_the_min_max_definition(dtype):
         for view in (routes, routes[:, ::2]):  # contiguous and strided
             for num_experts in (None, 128, 256, 300, 70000):
                 assert codec.route_dtype_name(view, num_experts) == by_min_max(view, num_experts)
+
+
+def test_a_record_without_gates_or_versions_still_loads(make_traj, to_proto):
+    """The wire stays backward-readable: bytes written without the fields added later
+    (routed_gates, token_versions) decode as before, with None for both."""
+    old = to_proto(make_traj("old", "g", logits=True))
+    assert not old.HasField("routed_gates") and not old.token_versions
+    back = decode(old.SerializeToString())
+    assert back.routed_gates is None and back.token_versions is None
+    np.testing.assert_array_equal(back.versions, np.full(5, back.policy_version))
+    assert not back.partial
+
+
+def test_gates_and_token_versions_round_trip(full_traj):
+    t = full_traj(8)
+    assert t.routed_gates.dtype == np.float16 and t.partial
+    back = decode(encode(t))
+    assert back.routed_gates.dtype == np.float16 and back.token_versions.dtype == np.int32
+    np.testing.assert_array_equal(back.routed_gates, t.routed_gates)
+    np.testing.assert_array_equal(back.versions, t.token_versions)
+    assert back.policy_version == int(t.token_versions.min())

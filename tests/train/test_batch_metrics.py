@@ -99,7 +99,8 @@ def test_trajectory_metrics_are_the_host_side_extras():
     ts[0].finish_reason = "stop"  # the others were cut at max_new_tokens ("length")
     m = trajectory_metrics(ts, trainer_version=6)
     assert m == {"reward_max": 1.0, "response_len_mean": 2.0, "truncated_frac": 2 / 3,
-                 "lag_hist/1": 1.0, "lag_hist/2": 2.0}
+                 "lag_hist/1": 1.0, "lag_hist/2": 2.0, "partial_frac": 0.0,
+                 "lag_token_mean": (3 * 1 + 1 * 2 + 2 * 2) / 6}
     # the jitted step owns reward_mean and lag_mean/lag_max; they are not recomputed here
     assert not {"reward_mean", "lag_mean", "lag_max"} & set(m)
 
@@ -117,3 +118,30 @@ def test_metrics_logger_after_resume_keeps_one_record_per_step(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
     assert [r["loss"] for r in records] == [1.0, 2.0, 3.0, 40.0, 50.0, 60.0, 70.0]
+
+
+def test_partial_rollout_metrics_count_each_token_at_its_own_version():
+    """A trajectory whose tokens span versions counts as partial; its lag is its oldest
+    token's (policy_version) and lag_token_mean averages every token's own lag."""
+    ts = [traj("a", "g", 2, 4, version=3), traj("b", "g", 2, 2, version=4)]
+    ts[0].token_versions = np.asarray([3, 3, 5, 5], np.int32)
+    m = trajectory_metrics(ts, trainer_version=6)
+    assert m["partial_frac"] == 0.5 and m["lag_hist/3"] == 1.0 and m["lag_hist/2"] == 1.0
+    assert m["lag_token_mean"] == (3 + 3 + 1 + 1 + 2 + 2) / 6
+
+
+def test_gates_and_router_logits_are_padded_like_routes():
+    ts = [traj("a", "g0", 3, 4), traj("b", "g0", 2, 2)]
+    for t in ts:
+        rows = t.routed_experts.shape[0]
+        t.routed_gates = np.full((rows, L, K), 0.5, np.float16)
+        t.router_logits = np.arange(rows * L * 8, dtype=np.float16).reshape(rows, L, 8)
+    b = make_batch(ts, buckets=[8], num_layers_moe=L, top_k=K)
+    assert b.routed_gates.dtype == np.float16 and b.routed_gates.shape == (2, 8, L, K)
+    assert b.router_logits.shape == (2, 8, L, 8)
+    np.testing.assert_array_equal(b.router_logits[0, :6], ts[0].router_logits)
+    np.testing.assert_array_equal(b.routed_gates[1, :3], 0.5)
+    assert not b.routed_gates[1, 3:].any() and not b.router_logits[1, 3:].any()
+    ts[1].routed_gates = None
+    with pytest.raises(ValueError, match="'b' has no routed_gates"):
+        make_batch(ts, buckets=[8])

@@ -1,0 +1,68 @@
+"""Validation of the router record (routes, gates, logits) and of per-token versions,
+called directly on protobuf messages (the server runs the same ``validate``)."""
+
+import numpy as np
+import pytest
+
+from satjax.queue.validation import Limits, validate
+
+ROWS, N = 6 + 5 - 1, 5  # make_traj's defaults: P=6, N=5, L=2, k=2, E=8
+
+
+def _gates(m, values, dtype="float16", shape=(ROWS, 2, 2)):
+    m.routed_gates.Clear()
+    m.routed_gates.data = np.asarray(values, np.float64).astype(dtype).tobytes()
+    m.routed_gates.dtype = dtype
+    m.routed_gates.shape.extend(shape)
+
+
+def _versions(m, values):
+    m.token_versions = np.asarray(values, np.int32).tobytes()
+
+
+CASES = {
+    "gates without routes": (lambda m: m.ClearField("routed_experts"), "routed_gates"),
+    "gates dtype": (lambda m: _gates(m, np.full((ROWS, 2, 2), 0.5), "float32"),
+                    "routed_gates"),
+    "gates rows": (lambda m: _gates(m, np.full((ROWS - 1, 2, 2), 0.5),
+                                    shape=(ROWS - 1, 2, 2)), "routed_gates"),
+    "gates k != routes k": (lambda m: _gates(m, np.full((ROWS, 2, 1), 0.5),
+                                             shape=(ROWS, 2, 1)), "routed_gates"),
+    "gates data size": (lambda m: setattr(m.routed_gates, "data", b"\x00" * 6),
+                        "routed_gates"),
+    "gates nan": (lambda m: _gates(m, np.where(np.arange(ROWS * 4).reshape(ROWS, 2, 2) == 3,
+                                               np.nan, 0.5)), "routed_gates"),
+    "gates inf": (lambda m: _gates(m, np.full((ROWS, 2, 2), np.inf)), "routed_gates"),
+    "gate above 1": (lambda m: _gates(m, np.full((ROWS, 2, 2), 1.5)), "routed_gates"),
+    "negative gate": (lambda m: _gates(m, np.full((ROWS, 2, 2), -0.1)), "routed_gates"),
+    "logits inf": (lambda m: setattr(m.router_logits, "data", np.full(
+        (ROWS, 2, 8), np.inf, np.float16).tobytes()), "router_logits"),
+    "versions count": (lambda m: _versions(m, [3] * (N - 1)), "token_versions"),
+    "versions ragged bytes": (lambda m: setattr(m, "token_versions", b"\x03\x00"),
+                              "token_versions"),
+    "versions decreasing": (lambda m: _versions(m, [3, 4, 4, 3, 4]), "token_versions"),
+    "oldest version != policy_version": (lambda m: _versions(m, [4, 4, 5, 5, 5]),
+                                         "token_versions"),
+}
+
+
+@pytest.fixture
+def good(make_traj, to_proto):
+    def make():
+        return to_proto(make_traj("t", "g", version=3, logits=True, gates=True,
+                                  versions=True), num_experts=8)
+    return make
+
+
+def test_a_full_record_is_valid(good):
+    assert validate(good(), Limits(num_experts=8, moe_layers=2, top_k=2)) is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_bad_record_names_its_field(good, case):
+    change, field = CASES[case]
+    msg = good()
+    change(msg)
+    problem = validate(msg, Limits(num_experts=8, moe_layers=2, top_k=2))
+    assert problem is not None and problem.field == field, problem
+    assert field in problem.message
