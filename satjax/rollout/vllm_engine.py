@@ -11,9 +11,11 @@ them to its host mirror and updates only what changed. The rollout worker's cana
 (:meth:`canary_logprobs`, vLLM ``prompt_logprobs``) then guards the update.
 
 Per completion vLLM returns the sampled tokens, their log-probs under the processed
-sampling distribution (``--logprobs-mode processed_logprobs``) and the routed experts of
+sampling distribution (``--logprobs-mode processed_logprobs``) and the router record of
 every prompt and response token but the last (``--enable-return-routed-experts``,
-base64 ``.npy`` ``[P + N - 1, L, k]``). See docs/vllm.md.
+base64 ``.npy`` ``[P + N - 1, L, w]``): the plug-in widens vLLM's routed expert ids with
+their gate weights and, on request, the router logits
+(:mod:`satjax.rollout.router_record`). See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from satjax.rollout.engine import Completion, SamplingParams, Sync
+from satjax.rollout.router_record import RECORD_ENV, RouterLayout
 from satjax.utils import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +81,7 @@ def resolve_python(configured: str = "") -> str:
 
 
 def decode_routes(encoded: str) -> np.ndarray:
-    """vLLM's base64 ``.npy`` routed experts -> int32 ``[T, L, k]``."""
+    """vLLM's base64 ``.npy`` routed experts -> int32 ``[T, L, w]`` (packed rows)."""
     return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False).astype(np.int32)
 
 
@@ -86,6 +89,22 @@ def request_seed(seed: int, index: int) -> int:
     """Distinct, reproducible per-request seeds (the worker repeats each prompt
     ``group_size`` times, so one seed for the whole batch would repeat samples)."""
     return (int(seed) * 1_000_003 + index * 7_919 + 1) % (2**31 - 1)
+
+
+PLUGIN = "satjax_router_record = satjax.rollout.vllm_ext:register"
+
+
+def write_plugin(directory: Path) -> Path:
+    """A ``*.dist-info`` under ``directory`` declaring :data:`PLUGIN` in vLLM's
+    ``vllm.general_plugins`` entry-point group, so that a vLLM with ``directory`` on its
+    ``PYTHONPATH`` loads our router record in every process it starts (API server, engine
+    core, workers) without satjax being installed in the vLLM venv; returns ``directory``."""
+    info = Path(directory) / "satjax_vllm_plugin-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: satjax-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN}\n")
+    return Path(directory)
 
 
 def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: int) -> dict:
@@ -109,8 +128,10 @@ def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: in
     }
 
 
-def parse_choice(prompt: Sequence[int], choice: dict[str, Any]) -> Completion:
-    """One ``/v1/completions`` choice -> :class:`Completion`."""
+def parse_choice(prompt: Sequence[int], choice: dict[str, Any],
+                 layout: RouterLayout) -> Completion:
+    """One ``/v1/completions`` choice -> :class:`Completion`, its router record split
+    by ``layout``."""
     tokens = np.asarray(choice.get("token_ids") or [], np.int32)
     logprobs = np.asarray((choice.get("logprobs") or {}).get("token_logprobs") or [], np.float32)
     if logprobs.shape != tokens.shape:
@@ -121,13 +142,18 @@ def parse_choice(prompt: Sequence[int], choice: dict[str, Any]) -> Completion:
     encoded = choice.get("routed_experts")
     if not encoded:
         raise VllmError("vLLM returned no routed_experts; is --enable-return-routed-experts on?")
-    routes = decode_routes(encoded)
+    packed = decode_routes(encoded)
     expected = len(prompt) + tokens.size - 1
-    if routes.shape[0] != expected:
-        raise VllmError(f"routed_experts has {routes.shape[0]} rows, expected {expected}")
+    if packed.shape[0] != expected:
+        raise VllmError(f"routed_experts has {packed.shape[0]} rows, expected {expected}")
+    try:
+        routes, gates, logits = layout.split(packed)
+    except ValueError as e:  # a server started without (or with another) record
+        raise VllmError(str(e)) from None
     return Completion(
         prompt_tokens=np.asarray(prompt, np.int32), response_tokens=tokens,
         logprobs=logprobs, routed_experts=routes, finish_reason=finish,
+        routed_gates=gates, router_logits=logits,
     )
 
 
@@ -135,7 +161,9 @@ class VllmEngine:
     """Engine protocol over a vLLM server subprocess (see the module docstring).
 
     ``python``: the vLLM venv's interpreter (``resolve_python``); ``dtype``: the serving
-    dtype (``rollout.sample_dtype``); ``seed``: the server's sampling seed.
+    dtype (``rollout.sample_dtype``); ``seed``: the server's sampling seed;
+    ``record_router_logits``: also return each token's router logits (float16
+    ``[P+N-1, L, E]``; gate weights are always returned).
     """
 
     name = "vllm"
@@ -160,9 +188,6 @@ class VllmEngine:
             raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
-        if record_router_logits:
-            raise ValueError("record_router_logits: not supported by the vLLM engine yet (its "
-                             "plug-in records the routed expert ids only)")
         self.python = resolve_python(python or "")
         self.dtype = dtype
         self.canary_atol = _CANARY_ATOL[dtype]
@@ -173,6 +198,8 @@ class VllmEngine:
         self.max_concurrency = max_concurrency
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="satjax-vllm-"))
         self.extra_args = tuple(extra_args)
+        self.record_parts = ("gates", "logits") if record_router_logits else ("gates",)
+        self.layout: RouterLayout | None = None  # from the checkpoint the server starts on
         self.version: int | None = None
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -203,11 +230,16 @@ class VllmEngine:
         """Starts the server on ``checkpoint_dir`` and waits until ``/health`` answers."""
         if self.proc is not None:
             raise VllmError("the vLLM server is already running")
+        cfg = _model_config(checkpoint_dir)
+        self.layout = RouterLayout(int(cfg["num_experts_per_tok"]), int(cfg["num_experts"]),
+                                   self.record_parts)
         self.port = free_port()
         env = dict(os.environ)
         env.update(_SERVER_ENV)
+        env[RECORD_ENV] = ",".join(self.record_parts)  # read by the plug-in at import
+        plugin = write_plugin(self.log_dir / "vllm-plugin")
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+            p for p in (str(REPO_ROOT), str(plugin), env.get("PYTHONPATH", "")) if p)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # own session: close() signals the whole group (api server + engine core)
@@ -347,11 +379,14 @@ class VllmEngine:
             raise ValueError("prompts must be a non-empty list")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must each contain at least one token")
+        layout = self.layout
+        if layout is None:
+            raise VllmError("generate before load(): the server serves no version")
 
         def one(i: int) -> Completion:
             body = completion_request(prompts[i], sampling, request_seed(seed, i))
             reply = self._post("/v1/completions", body)
-            return parse_choice(prompts[i], reply["choices"][0])
+            return parse_choice(prompts[i], reply["choices"][0], layout)
 
         workers = min(self.max_concurrency, len(prompts))
         with cf.ThreadPoolExecutor(workers) as pool:
@@ -369,12 +404,20 @@ class VllmEngine:
         rows = reply["choices"][0]["prompt_logprobs"]
         return [float(rows[i][str(int(tokens[i]))]["logprob"]) for i in range(1, len(tokens))]
 
+    def vllm_version(self) -> str | None:
+        """The server's vLLM version (``/version``)."""
+        status, data = self._request("GET", "/version", None, timeout=30)
+        return json.loads(data).get("version") if status == 200 else None
+
     def weight_version(self) -> str | None:
         """The version string the server reports (``/weight_info``)."""
         status, data = self._request("GET", "/weight_info", None, timeout=30)
         return json.loads(data).get("weight_version") if status == 200 else None
 
 
+def _model_config(checkpoint_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint_dir) / "config.json").read_text())
+
+
 def _model_max_len(checkpoint_dir: Path, cap: int = 8192) -> int:
-    cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-    return int(min(cfg.get("max_position_embeddings", cap), cap))
+    return int(min(_model_config(checkpoint_dir).get("max_position_embeddings", cap), cap))

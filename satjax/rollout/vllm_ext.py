@@ -2,8 +2,8 @@
 
 Loaded *inside* the vLLM server process (``--worker-extension-cls
 satjax.rollout.vllm_ext.WeightExt`` with the repository root on ``PYTHONPATH``), so it
-imports only torch, vLLM and :mod:`satjax.weight_sync` (numpy and zstandard): never jax
-nor the rest of satjax.
+imports only torch, vLLM, :mod:`satjax.weight_sync` (numpy and zstandard) and
+:mod:`satjax.rollout.router_record` (numpy): never jax nor the rest of satjax.
 
 Each vLLM worker keeps a host mirror of the version it serves (``WeightMirror``: the
 published bytes of every tensor), filled by a full update and moved forward by delta
@@ -26,17 +26,26 @@ Use over HTTP (server started with ``VLLM_SERVER_DEV_MODE=1``)::
     POST /collective_rpc {"method": "update_weights_from_dir", "args": ["/ckpt/v00000003"]}
     POST /collective_rpc {"method": "apply_weight_deltas",
                           "args": [["/ckpt/v00000004", "/ckpt/v00000005"], null]}
+
+Router record: :func:`register`, loaded by vLLM as a general plugin, widens vLLM's own
+routed-experts capture (``--enable-return-routed-experts``) so that each token's row
+carries its gate weights and, on request, its router logits next to the expert ids
+(:func:`install_router_record`), as ``SATJAX_VLLM_ROUTER_RECORD`` (``gates`` or
+``gates,logits``; the vLLM engine sets it) asks.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
+from satjax.rollout.router_record import RECORD_ENV, RouterLayout, parse_record
 from satjax.weight_sync import WeightMirror
 
 # classic per-expert checkpoint names, as satjax.model.save_pretrained writes them
@@ -181,6 +190,90 @@ def weight_fingerprint(model: torch.nn.Module) -> float:
         return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
 
 
+# -- router record: gates and logits through vLLM's routed-experts capture -------------
+def pack_record(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                router_logits: torch.Tensor, parts: tuple[str, ...]) -> torch.Tensor:
+    """One layer's router output as int32 ``[n, RouterLayout.width]``
+    (:mod:`satjax.rollout.router_record`): the ids ``[n, k]``, then
+    the float32 bit patterns of their gate weights ``[n, k]`` (as the router returned them:
+    normalised, in the ids' order) and of the router logits ``[n, E]``. Float32 bits fit
+    int32 exactly, so nothing is rounded on the way; the engine makes them float16."""
+    cols = [topk_ids.to(torch.int32)]
+    if "gates" in parts:
+        cols.append(topk_weights.to(torch.float32).contiguous().view(torch.int32))
+    if "logits" in parts:
+        cols.append(router_logits.to(torch.float32).contiguous().view(torch.int32))
+    return torch.cat(cols, dim=-1)
+
+
+def install_router_record(parts: tuple[str, ...]) -> None:
+    """Widens vLLM's routed-experts capture to :func:`pack_record` rows (no fork: three
+    patches, applied once per process):
+
+    1. ``_get_routed_experts_shape`` (which sizes both the worker's capture buffer and the
+       scheduler's slot buffer) reports ``RouterLayout.width`` columns instead of k;
+    2. ``RoutedExpertsManager`` keeps its slot buffer int32 (vLLM narrows it to uint8 /
+       uint16 expert ids, which would cut the gate and logit bits);
+    3. ``BaseRouter._select_experts`` hands the capture the packed row in place of the
+       ids (vLLM's own capture call still picks the logical ids, before EPLB mapping).
+
+    Every vLLM process that builds one of the three needs it: the scheduler lives in the
+    engine-core process, the router in the worker processes (a separate process even for
+    one CPU worker). Hence :func:`register`, a ``vllm.general_plugins`` entry point,
+    which vLLM loads first thing in each of them. A process without it keeps k columns and
+    vLLM fails on the first step's shape mismatch, never silently.
+    """
+    if not parts:
+        return
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer as rec
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    if getattr(rec, "_satjax_record", None) is not None:
+        if rec._satjax_record != parts:
+            raise RuntimeError(f"router record already installed as {rec._satjax_record}")
+        return
+    rec._satjax_record = parts
+    shape = rec._get_routed_experts_shape
+
+    def widened_shape(vllm_config):
+        layers, experts, k = shape(vllm_config)
+        return layers, experts, RouterLayout(k, experts, parts).width
+
+    rec._get_routed_experts_shape = widened_shape
+    manager_init = rec.RoutedExpertsManager.__init__
+
+    def manager_int32(self, *args, **kwargs):
+        manager_init(self, *args, **kwargs)
+        # fresh zeros either way; vLLM's store_batch and reads follow the buffer's dtype
+        self.routed_experts_by_slot = np.zeros(self.routed_experts_by_slot.shape, np.int32)
+
+    rec.RoutedExpertsManager.__init__ = manager_int32
+    select = BaseRouter._select_experts
+
+    def select_recording(self: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                         *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        capture = self.capture_fn
+        if capture is None:
+            return select(self, hidden_states, router_logits, *args, **kwargs)
+        ids: list[torch.Tensor] = []
+        self.capture_fn = ids.append  # vLLM's call site: the logical ids
+        try:
+            topk_weights, topk_ids = select(self, hidden_states, router_logits, *args, **kwargs)
+        finally:
+            self.capture_fn = capture
+        capture(pack_record(ids[0], topk_weights, router_logits, parts))
+        return topk_weights, topk_ids
+
+    BaseRouter._select_experts = select_recording
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (the vLLM engine declares it for its server,
+    ``vllm_engine.write_plugin``): installs the router record ``$SATJAX_VLLM_ROUTER_RECORD``
+    asks for, if any."""
+    install_router_record(parse_record(os.environ.get(RECORD_ENV, "")))
+
+
 class WeightExt:
     """Mixed into vLLM's worker class: ``self`` is the worker."""
 
@@ -217,3 +310,4 @@ class WeightExt:
 
     def weight_fingerprint(self) -> str:
         return json.dumps({"fingerprint": weight_fingerprint(self.model_runner.model)})
+

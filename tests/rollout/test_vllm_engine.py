@@ -30,6 +30,10 @@ from satjax.weight_sync import (
 )
 
 ATOL = 1e-4  # fp32 server vs fp32 satjax; measured ~1e-6
+# the router record arrives as float16 (as the built-in engine records it): vLLM's fp32
+# gates / logits rounded once, so within a float16 half-ulp (2^-11 relative) of satjax's
+# fp32 values plus the fp32 noise of two implementations (~1e-6)
+F16_RTOL, F16_ATOL = 2.0**-11, 1e-5
 TOKEN = "vllm-test-token-0123456789"
 
 
@@ -54,8 +58,9 @@ def _publish(sharded: ShardedPublisher, model, version: int) -> None:
 
 
 def _teacher_forced(model, completions, temperature: float):
-    """satjax fp32 log_softmax(logits / T) of each response token and the experts its
-    router selects for prompt + response[:-1] (one right-padded batch)."""
+    """satjax fp32 log_softmax(logits / T) of each response token and, for prompt +
+    response[:-1], the experts its router selects, their gate weights and the router
+    logits (one right-padded batch)."""
     seqs = [np.concatenate([c.prompt_tokens, c.response_tokens]) for c in completions]
     t = max(len(s) for s in seqs)
     ids = np.zeros((len(seqs), t), np.int32)
@@ -64,13 +69,38 @@ def _teacher_forced(model, completions, temperature: float):
         ids[i, :len(s)], mask[i, :len(s)] = s, True
     out = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
     lp = np.asarray(jax.nn.log_softmax(out.logits / temperature, axis=-1))
-    experts = np.asarray(out.router_topk)
+    experts, gates = np.asarray(out.router_topk), np.asarray(out.gate_weights)
+    logits = np.asarray(out.router_logits)
     refs = []
     for i, c in enumerate(completions):
         p, n = len(c.prompt_tokens), len(c.response_tokens)
         pos = np.arange(p - 1, p + n - 1)
-        refs.append((lp[i, pos, c.response_tokens], experts[i, :p + n - 1]))
+        rows = slice(0, p + n - 1)
+        refs.append((lp[i, pos, c.response_tokens], experts[i, rows], gates[i, rows],
+                     logits[i, rows]))
     return refs
+
+
+def _report(what: str, engine, worst: dict[str, float]) -> None:
+    """The parity figures docs/vllm.md quotes (pytest -s prints them)."""
+    from satjax.utils import versions_line
+
+    print(f"\nvLLM parity, {what}: max |diff| " + ", ".join(
+        f"{k} {v:.2e}" for k, v in sorted(worst.items())) +
+        f" ({versions_line(('numpy', 'jax', 'flax'))}; vllm server {engine.vllm_version()})")
+
+
+def _check_record(c, ref, worst: dict[str, float]) -> None:
+    """Ids exact; gates and logits float16 within F16_RTOL / F16_ATOL of satjax's fp32
+    ones; ``worst`` keeps the largest differences seen."""
+    np.testing.assert_array_equal(c.routed_experts, ref[1])
+    for name, got, want in (("gates", c.routed_gates, ref[2]),
+                            ("logits", c.router_logits, ref[3])):
+        assert got is not None and got.dtype == np.float16 and got.shape == want.shape
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=F16_RTOL,
+                                   atol=F16_ATOL, err_msg=name)
+        worst[name] = max(worst.get(name, 0.0),
+                          float(np.max(np.abs(got.astype(np.float32) - want))))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +120,8 @@ def served(tmp_path_factory):
     pub = WeightPublisher(root / "weights", keep=10)
     sharded = _sharded(pub, canary)
     _publish(sharded, models[0], 0)
-    engine = VllmEngine(python=python, dtype="float32", max_model_len=128, log_dir=root)
+    engine = VllmEngine(python=python, dtype="float32", max_model_len=128, log_dir=root,
+                        record_router_logits=True)
     try:
         engine.load(WeightSubscriber(root / "weights").checkpoint_dir(0), 0)
         yield {"engine": engine, "models": models, "pub": pub, "sharded": sharded,
@@ -115,6 +146,7 @@ def test_logprobs_and_routes_match_satjax(served):
     comps = engine.generate(prompts, sampling, seed=5)
     assert len(comps) == len(prompts)
     assert {c.finish_reason for c in comps} == {"stop", "length"}
+    worst: dict[str, float] = {}
     for c, ref in zip(comps, _teacher_forced(model, comps, 0.8), strict=True):
         n = len(c.response_tokens)
         assert 1 <= n <= 16 and c.logprobs.shape == (n,)
@@ -122,8 +154,11 @@ def test_logprobs_and_routes_match_satjax(served):
         assert c.finish_reason == ("stop" if c.response_tokens[-1] in stops else "length")
         assert not set(c.response_tokens[:-1].tolist()) & set(stops)
         np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
+        worst["logprobs"] = max(worst.get("logprobs", 0.0),
+                                float(np.max(np.abs(c.logprobs - ref[0]))))
         assert c.routed_experts.dtype == np.int32
-        np.testing.assert_array_equal(c.routed_experts, ref[1])
+        _check_record(c, ref, worst)
+    _report("v0", served["engine"], worst)
     # a repeated prompt gets its own seed; the same call seed reproduces the batch
     assert any(not np.array_equal(comps[i].response_tokens, comps[i + 1].response_tokens)
                for i in range(0, len(comps), 2))
@@ -191,9 +226,11 @@ def test_delta_versions_update_in_place(served):
     assert err <= ATOL
     prompts = _prompts(tok, 3)
     comps = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6), seed=2)
+    worst: dict[str, float] = {}
     for c, ref in zip(comps, _teacher_forced(m3, comps, 1.0), strict=True):
         np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
-        np.testing.assert_array_equal(c.routed_experts, ref[1])
+        _check_record(c, ref, worst)
+    _report("after delta updates", engine, worst)
 
 
 @pytest.mark.slow
@@ -230,9 +267,11 @@ def test_weight_update_worker_stamps_new_version(served):
     assert {t.engine for t in trajs} == {"vllm"}
     # the behaviour log-probs and routes are now those of the new weights
     comps = [_AsCompletion(t) for t in trajs]
+    worst: dict[str, float] = {}
     for t, ref in zip(trajs, _teacher_forced(models[1], comps, 1.0), strict=True):
         np.testing.assert_allclose(t.behavior_logprobs, ref[0], atol=ATOL, rtol=0)
-        np.testing.assert_array_equal(t.routed_experts, ref[1])
+        _check_record(t, ref, worst)  # through the queue: gates and logits on the wire
+    _report("worker, after a full update", engine, worst)
     # and a canary computed from the old weights is now refused
     stale = {"version": version, "canary": {"tokens": served["canary"], "logprobs":
              canary_logprobs(models[0], served["canary"])}}
@@ -246,31 +285,89 @@ class _AsCompletion:
 
 
 # -- no server needed --------------------------------------------------------------------
-def _choice(p: int, n: int, *, finish: str = "length", rows: int | None = None) -> dict:
+def _choice(p: int, n: int, *, finish: str = "length", rows: int | None = None,
+            packed: np.ndarray | None = None) -> dict:
     import base64
     import io
 
     buf = io.BytesIO()
-    routes = np.arange((rows if rows is not None else p + n - 1) * 4 * 2) % 8
-    np.save(buf, routes.reshape(-1, 4, 2).astype(np.uint8))
+    if packed is None:
+        packed = (np.arange((rows if rows is not None else p + n - 1) * 4 * 4) % 8
+                  ).reshape(-1, 4, 4).astype(np.int32)
+    np.save(buf, packed)
     return {"token_ids": list(range(3, 3 + n)), "finish_reason": finish,
             "logprobs": {"token_logprobs": [-0.5] * n},
             "routed_experts": base64.b64encode(buf.getvalue()).decode()}
 
 
-def test_parse_choice_decodes_routes_and_rejects_bad_replies():
-    from satjax.rollout.vllm_engine import VllmError, parse_choice
+def _router_output(rows: int, layers: int, k: int, e: int, seed: int = 0):
+    """Random router outputs as vLLM's CPU router makes them: ids, normalised top-k
+    softmax gates (float32) in the ids' order, and the logits."""
+    import torch
 
-    c = parse_choice([1, 5, 6], _choice(3, 4))
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, layers, e, generator=gen) * 3
+    top = torch.topk(logits, k, dim=-1)
+    gates = torch.softmax(top.values, dim=-1)
+    return top.indices.to(torch.int32), gates, logits
+
+
+def test_router_record_packs_and_splits_exactly():
+    """The plug-in's int32 row (ids | float32 bits of gates | of logits), through the
+    engine's split: ids exact, gates and logits the float16 of the router's float32."""
+    import torch
+
+    from satjax.rollout.router_record import RouterLayout, parse_record
+    from satjax.rollout.vllm_ext import pack_record
+
+    ids, gates, logits = _router_output(6, 3, 2, 8)
+    for parts in (("gates",), ("gates", "logits")):
+        layout = RouterLayout(2, 8, parts)
+        rows = torch.stack([pack_record(ids[:, i], gates[:, i], logits[:, i], parts)
+                            for i in range(3)], dim=1)
+        assert rows.dtype == torch.int32 and rows.shape == (6, 3, layout.width)
+        got_ids, got_gates, got_logits = layout.split(rows.numpy())
+        np.testing.assert_array_equal(got_ids, ids.numpy())
+        np.testing.assert_array_equal(got_gates, gates.numpy().astype(np.float16))
+        if "logits" in parts:
+            np.testing.assert_array_equal(got_logits, logits.numpy().astype(np.float16))
+        else:
+            assert got_logits is None
+    assert RouterLayout(8, 128, ("gates",)).width == 16
+    assert RouterLayout(8, 128, ("gates", "logits")).width == 144
+    assert parse_record("gates,logits") == ("gates", "logits") and parse_record("") == ()
+    with pytest.raises(ValueError, match="SATJAX_VLLM_ROUTER_RECORD"):
+        parse_record("logits")
+    with pytest.raises(ValueError, match=r"expected \[T, L, 4\]"):
+        RouterLayout(2, 8).split(np.zeros((3, 2, 2), np.int32))  # an ids-only server
+
+
+def test_parse_choice_decodes_routes_and_rejects_bad_replies():
+    import torch
+
+    from satjax.rollout.router_record import RouterLayout
+    from satjax.rollout.vllm_engine import VllmError, parse_choice
+    from satjax.rollout.vllm_ext import pack_record
+
+    layout = RouterLayout(2, 8)
+    ids, gates, logits = _router_output(6, 4, 2, 8, seed=1)
+    packed = torch.stack([pack_record(ids[:, i], gates[:, i], logits[:, i], layout.parts)
+                          for i in range(4)], dim=1).numpy()
+    c = parse_choice([1, 5, 6], _choice(3, 4, packed=packed), layout)
     assert c.routed_experts.dtype == np.int32 and c.routed_experts.shape == (6, 4, 2)
+    np.testing.assert_array_equal(c.routed_experts, ids.numpy())
+    assert c.routed_gates.dtype == np.float16 and c.router_logits is None
+    np.testing.assert_array_equal(c.routed_gates, gates.numpy().astype(np.float16))
     np.testing.assert_array_equal(c.response_tokens, [3, 4, 5, 6])
     assert c.finish_reason == "length" and c.logprobs.dtype == np.float32
     with pytest.raises(VllmError, match="rows"):
-        parse_choice([1, 5, 6], _choice(3, 4, rows=7))
+        parse_choice([1, 5, 6], _choice(3, 4, rows=7), layout)
     with pytest.raises(VllmError, match="abort"):
-        parse_choice([1, 5, 6], _choice(3, 4, finish="abort"))
+        parse_choice([1, 5, 6], _choice(3, 4, finish="abort"), layout)
     with pytest.raises(VllmError, match="routed_experts"):
-        parse_choice([1, 5, 6], {**_choice(3, 4), "routed_experts": None})
+        parse_choice([1, 5, 6], {**_choice(3, 4), "routed_experts": None}, layout)
+    with pytest.raises(VllmError, match="router record of shape"):
+        parse_choice([1, 5, 6], _choice(3, 4), RouterLayout(2, 8, ("gates", "logits")))
 
 
 def test_missing_vllm_python_is_a_clear_error(monkeypatch):
