@@ -150,7 +150,8 @@ class RolloutConfig:
     # the trainer logs router_kl from them
     record_router_logits: bool = False
     # partial rollouts: a worker that gets new weights mid-batch goes on with them (the
-    # built-in sampler keeps its KV cache); every token records its version
+    # built-in sampler keeps its KV cache, vLLM resubmits prompt + prefix); every token
+    # records its version
     partial: bool = False
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
     # extra stop strings (the tokenizer's EOS and generation_config eos ids always stop)
@@ -453,9 +454,6 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.replay != "gates" or cfg.rollout.record_routes, "train.replay",
          "'off' or 'experts' unless rollout.record_routes is on (gate replay needs the "
          "engine's experts and gate weights)")
-    # the vLLM engine samples a batch with one version so far (docs/vllm.md)
-    need(not (cfg.rollout.partial and cfg.rollout.engine == "vllm"), "rollout.partial",
-         "off with rollout.engine 'vllm' (no mid-batch weight updates through vLLM yet)")
     need(cfg.task.reward in ("", "math_verify", "exact") or cfg.task.reward.count(":") == 1,
          "task.reward", "'', 'math_verify', 'exact' or 'module:function'")
     need(cfg.task.name == "jsonl" or not cfg.task.eval_path, "task.eval_path",

@@ -292,10 +292,9 @@ def test_router_record_options_need_what_they_use():
     with pytest.raises(ConfigError, match="'train.replay': must be 'off' or 'experts' unless "
                                           "rollout.record_routes"):
         load_config(overrides=["train.replay=gates", "rollout.record_routes=false"])
-    # the vLLM plug-in records gates and (on request) logits like the built-in engine
-    cfg = load_config(overrides=["train.replay=gates", "rollout.record_router_logits=true",
-                                 "rollout.engine=vllm"])
-    assert (cfg.train.replay, cfg.rollout.record_router_logits) == ("gates", True)
-    with pytest.raises(ConfigError, match="'rollout.partial': must be off with "
-                                          "rollout.engine 'vllm'"):
-        load_config(overrides=["rollout.partial=true", "rollout.engine=vllm"])
+    # both engines record gates and (on request) logits and continue across updates
+    for engine in ("builtin", "vllm"):
+        cfg = load_config(overrides=["train.replay=gates", "rollout.record_router_logits=true",
+                                     "rollout.partial=true", f"rollout.engine={engine}"])
+        assert (cfg.train.replay, cfg.rollout.record_router_logits, cfg.rollout.partial) == \
+            ("gates", True, True)

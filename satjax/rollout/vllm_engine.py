@@ -15,7 +15,9 @@ sampling distribution (``--logprobs-mode processed_logprobs``) and the router re
 every prompt and response token but the last (``--enable-return-routed-experts``,
 base64 ``.npy`` ``[P + N - 1, L, w]``): the plug-in widens vLLM's routed expert ids with
 their gate weights and, on request, the router logits
-(:mod:`satjax.rollout.router_record`). See docs/vllm.md.
+(:mod:`satjax.rollout.router_record`). A partial rollout (``generate(..., sync=...)``)
+runs in segments and continues each sequence after a weight update by resubmitting its
+prompt and the tokens so far. See docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import atexit
 import base64
 import concurrent.futures as cf
+import dataclasses
 import http.client
 import io
 import json
@@ -48,6 +51,12 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 # fp32 serving reproduces the trainer's fp32 log-probs to ~1e-6; a bf16 server is ~4e-3
 # off on the tiny model (measured), while a corrupted sync moves them by nats
 _CANARY_ATOL = {"float32": 1e-4, "bfloat16": 0.05}
+# Response tokens per request between two checks for new weights under ``rollout.partial``
+# (the built-in engine's SEGMENT_TOKENS is 4): each segment is one more HTTP request per
+# unfinished sequence, which re-reads its prefix (from vLLM's prefix cache while the
+# version holds), so segments are longer here; a version published mid-segment waits for
+# the segment's end.
+SEGMENT_TOKENS = 16
 _SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # enables /collective_rpc and /reset_prefix_cache
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the CPU default takes a large share of RAM
@@ -107,8 +116,10 @@ def write_plugin(directory: Path) -> Path:
     return Path(directory)
 
 
-def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: int) -> dict:
-    """The ``/v1/completions`` body for one prompt of token ids."""
+def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: int,
+                       routes_from: int = 0) -> dict:
+    """The ``/v1/completions`` body for one prompt of token ids; its router record from
+    input position ``routes_from`` on (vLLM's ``routed_experts_prompt_start``)."""
     return {
         "model": SERVED_NAME,
         "prompt": [int(t) for t in prompt],
@@ -125,13 +136,14 @@ def completion_request(prompt: Sequence[int], sampling: SamplingParams, seed: in
         "return_tokens_as_token_ids": True,
         "detokenize": False,
         "skip_special_tokens": False,
+        "routed_experts_prompt_start": int(routes_from),
     }
 
 
 def parse_choice(prompt: Sequence[int], choice: dict[str, Any],
-                 layout: RouterLayout) -> Completion:
+                 layout: RouterLayout, routes_from: int = 0) -> Completion:
     """One ``/v1/completions`` choice -> :class:`Completion`, its router record split
-    by ``layout``."""
+    by ``layout``: the rows of input positions ``routes_from`` .. ``P + N - 2``."""
     tokens = np.asarray(choice.get("token_ids") or [], np.int32)
     logprobs = np.asarray((choice.get("logprobs") or {}).get("token_logprobs") or [], np.float32)
     if logprobs.shape != tokens.shape:
@@ -143,7 +155,7 @@ def parse_choice(prompt: Sequence[int], choice: dict[str, Any],
     if not encoded:
         raise VllmError("vLLM returned no routed_experts; is --enable-return-routed-experts on?")
     packed = decode_routes(encoded)
-    expected = len(prompt) + tokens.size - 1
+    expected = len(prompt) + tokens.size - 1 - routes_from
     if packed.shape[0] != expected:
         raise VllmError(f"routed_experts has {packed.shape[0]} rows, expected {expected}")
     try:
@@ -157,13 +169,41 @@ def parse_choice(prompt: Sequence[int], choice: dict[str, Any],
     )
 
 
+def join_segments(prompt: Sequence[int], segments: Sequence[Completion],
+                  versions: Sequence[int]) -> Completion:
+    """One completion from the segments of a partial rollout: ``segments[0]`` sampled from
+    ``prompt`` (its rows cover the prompt), each next one from the prompt and the tokens
+    before it, with the rows of its own tokens only (``routes_from``); ``versions[j]`` the
+    version that sampled segment j. Rows and tokens stay with the version that computed
+    them: row ``P - 1 + j`` is the forward that sampled response token j."""
+    def cat(field: str) -> np.ndarray | None:
+        parts = [getattr(c, field) for c in segments]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    def cat_all(field: str) -> np.ndarray:
+        return np.concatenate([getattr(c, field) for c in segments])
+
+    return Completion(
+        prompt_tokens=np.asarray(prompt, np.int32),
+        response_tokens=cat_all("response_tokens"),
+        logprobs=cat_all("logprobs"),
+        routed_experts=cat_all("routed_experts"),
+        finish_reason=segments[-1].finish_reason,
+        routed_gates=cat("routed_gates"),
+        router_logits=cat("router_logits"),
+        token_versions=np.concatenate([np.full(len(c.response_tokens), v, np.int32)
+                                       for c, v in zip(segments, versions, strict=True)]),
+    )
+
+
 class VllmEngine:
     """Engine protocol over a vLLM server subprocess (see the module docstring).
 
     ``python``: the vLLM venv's interpreter (``resolve_python``); ``dtype``: the serving
     dtype (``rollout.sample_dtype``); ``seed``: the server's sampling seed;
     ``record_router_logits``: also return each token's router logits (float16
-    ``[P+N-1, L, E]``; gate weights are always returned).
+    ``[P+N-1, L, E]``; gate weights are always returned); ``segment_tokens``: response
+    tokens per request between two ``sync`` calls of a partial rollout.
     """
 
     name = "vllm"
@@ -181,6 +221,7 @@ class VllmEngine:
         log_dir: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
         record_router_logits: bool = False,
+        segment_tokens: int = SEGMENT_TOKENS,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -188,6 +229,8 @@ class VllmEngine:
             raise ValueError(f"max_model_len: must be >= 2, got {max_model_len}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens: must be >= 1, got {segment_tokens}")
         self.python = resolve_python(python or "")
         self.dtype = dtype
         self.canary_atol = _CANARY_ATOL[dtype]
@@ -196,6 +239,7 @@ class VllmEngine:
         self.startup_timeout_s = startup_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
+        self.segment_tokens = segment_tokens
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="satjax-vllm-"))
         self.extra_args = tuple(extra_args)
         self.record_parts = ("gates", "logits") if record_router_logits else ("gates",)
@@ -371,26 +415,67 @@ class VllmEngine:
         self, prompts: list[list[int]], sampling: SamplingParams, seed: int,
         sync: Sync | None = None,
     ) -> list[Completion]:
-        """One completion per prompt; requests run concurrently (vLLM batches them). No
-        ``sync``: a batch is sampled by one version (no partial rollouts yet)."""
-        if sync is not None:
-            raise ValueError("sync: partial rollouts are not supported by the vLLM engine yet")
+        """One completion per prompt; requests run concurrently (vLLM batches them).
+
+        With ``sync`` (a partial rollout) each request asks for at most
+        ``segment_tokens`` tokens; between segments ``sync()`` may load new weights, and
+        each unfinished sequence goes on as a new request whose prompt is its prompt and
+        the tokens so far (after an update the prefix cache is empty, so the new version
+        recomputes that prefix's KV). Each token keeps the log-prob and router rows of the
+        version that sampled it (``join_segments``) and is stamped with it
+        (``token_versions``)."""
         if not prompts:
             raise ValueError("prompts must be a non-empty list")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must each contain at least one token")
-        layout = self.layout
-        if layout is None:
-            raise VllmError("generate before load(): the server serves no version")
+        layout, version = self.layout, self.version
+        if layout is None or version is None:
+            raise VllmError("generate: the server serves no whole version (load() first)")
+        budget = sampling.max_new_tokens if sync is None else self.segment_tokens
+        segments: list[list[Completion]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
 
-        def one(i: int) -> Completion:
-            body = completion_request(prompts[i], sampling, request_seed(seed, i))
-            reply = self._post("/v1/completions", body)
-            return parse_choice(prompts[i], reply["choices"][0], layout)
+        def one(i: int, segment: int) -> Completion:
+            done = segments[i]
+            n = sum(len(c.response_tokens) for c in done)
+            head = [*prompts[i], *(int(t) for c in done for t in c.response_tokens)]
+            # a continuation's rows start at the last token it is given: never forwarded
+            # before, it is the forward that samples the segment's first token
+            start = len(head) - 1 if done else 0
+            part = dataclasses.replace(
+                sampling, max_new_tokens=min(budget, sampling.max_new_tokens - n))
+            # each segment its own seed: a repeated one would reuse its random draws
+            seed_i = request_seed(seed, i) if segment == 0 else request_seed(
+                request_seed(seed, i), segment)
+            reply = self._post("/v1/completions",
+                               completion_request(head, part, seed_i, routes_from=start))
+            return parse_choice(head, reply["choices"][0], layout, routes_from=start)
 
-        workers = min(self.max_concurrency, len(prompts))
-        with cf.ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        active = list(range(len(prompts)))
+        segment = 0
+        with cf.ThreadPoolExecutor(min(self.max_concurrency, len(prompts))) as pool:
+            while True:
+                for i, c in zip(active, pool.map(one, active, [segment] * len(active)),
+                                strict=True):
+                    segments[i].append(c)
+                    versions[i].append(version)
+                # unfinished: stopped by the segment's budget (not by a stop token, nor
+                # short of it at the model's length) before max_new_tokens
+                active = [i for i in active if segments[i][-1].finish_reason == "length"
+                          and len(segments[i][-1].response_tokens) == budget
+                          and sum(len(c.response_tokens) for c in segments[i])
+                          < sampling.max_new_tokens]
+                if sync is None or not active:
+                    break
+                sync()
+                version = self.version
+                if version is None:
+                    raise VllmError("no whole version served after sync")
+                segment += 1
+        if sync is None:
+            return [s[0] for s in segments]
+        return [join_segments(p, s, v) for p, s, v in zip(prompts, segments, versions,
+                                                           strict=True)]
 
     def canary_logprobs(self, tokens: list[int]) -> list[float]:
         """Teacher-forced log-probs of ``tokens[1:]`` (vLLM ``prompt_logprobs``, T = 1)."""

@@ -279,6 +279,62 @@ def test_weight_update_worker_stamps_new_version(served):
         check_canary(stale, engine.canary_logprobs(served["canary"]), atol=engine.canary_atol)
 
 
+@pytest.mark.slow
+def test_partial_rollout_continues_across_an_update(served):
+    """rollout.partial through vLLM: after the first segment the batch's sync loads another
+    model in place; each sequence goes on from its prefix under it. Every token's log-prob
+    and every router row (ids, gates, logits) are those of the version that sampled it
+    (teacher-forced satjax), and token_versions say which."""
+    engine, models, tok, root = served["engine"], served["models"], served["tok"], served["root"]
+    sub = WeightSubscriber(root / "weights")
+    va = (engine.version or 0) + 1
+    vb = va + 1
+    for v, m in ((va, models[0]), (vb, models[1])):  # full versions (new publishers' first)
+        _publish(_sharded(served["pub"], served["canary"]), m, v)
+    engine.load(sub.checkpoint_dir(va), va)
+    syncs = []
+
+    def sync() -> bool:
+        syncs.append(engine.version)
+        if engine.version == vb:
+            return False
+        engine.load(sub.checkpoint_dir(vb), vb)
+        return True
+
+    prompts = _prompts(tok, 4)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)  # no stop: every segment
+    seg, engine.segment_tokens = engine.segment_tokens, 4
+    try:
+        comps = engine.generate(prompts, sampling, seed=11, sync=sync)
+    finally:
+        engine.segment_tokens = seg
+    assert syncs == [va, vb]  # after segments 1 (4 tokens) and 2 (8): 10 tokens in 3
+    assert engine.version == vb
+    worst: dict[str, float] = {}
+    moved = 0.0
+    refs = zip(_teacher_forced(models[0], comps, 1.0), _teacher_forced(models[1], comps, 1.0),
+               strict=True)
+    for c, (ra, rb) in zip(comps, refs, strict=True):
+        p, n = len(c.prompt_tokens), len(c.response_tokens)
+        assert n == 10 and c.finish_reason == "length"
+        np.testing.assert_array_equal(c.token_versions, [va] * 4 + [vb] * 6)
+        # row P - 1 + j is the forward that sampled token j; prompt rows: the first version
+        row_v = np.concatenate([np.full(p - 1, va), c.token_versions])
+        assert c.routed_experts.shape[0] == row_v.size == p + n - 1
+        tok_a, row_a = c.token_versions == va, row_v == va
+        ref = (np.where(tok_a, ra[0], rb[0]),
+               *(np.where(row_a.reshape(-1, *([1] * (x.ndim - 1))), x, y)
+                 for x, y in zip(ra[1:], rb[1:], strict=True)))
+        np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
+        worst["logprobs"] = max(worst.get("logprobs", 0.0),
+                                float(np.max(np.abs(c.logprobs - ref[0]))))
+        _check_record(c, ref, worst)
+        # the check tells the versions apart: the other model is far off
+        moved = max(moved, float(np.max(np.abs(c.logprobs[~tok_a] - ra[0][~tok_a]))))
+    assert moved > 0.1
+    _report("partial rollout across an update", engine, worst)
+
+
 class _AsCompletion:
     def __init__(self, t):
         self.prompt_tokens, self.response_tokens = t.prompt_tokens, t.response_tokens
@@ -368,6 +424,33 @@ def test_parse_choice_decodes_routes_and_rejects_bad_replies():
         parse_choice([1, 5, 6], {**_choice(3, 4), "routed_experts": None}, layout)
     with pytest.raises(VllmError, match="router record of shape"):
         parse_choice([1, 5, 6], _choice(3, 4), RouterLayout(2, 8, ("gates", "logits")))
+
+
+def test_join_segments_keeps_each_segments_rows_and_version():
+    from satjax.rollout.engine import Completion
+    from satjax.rollout.vllm_engine import completion_request, join_segments
+
+    p, l, k = 3, 2, 2
+
+    def seg(n: int, rows: int, fill: int, finish: str) -> Completion:
+        return Completion(
+            prompt_tokens=np.zeros(1, np.int32), response_tokens=np.full(n, fill, np.int32),
+            logprobs=np.full(n, -fill, np.float32),
+            routed_experts=np.full((rows, l, k), fill, np.int32), finish_reason=finish,
+            routed_gates=np.full((rows, l, k), fill, np.float16))
+
+    # the first segment has the prompt's rows; a continuation only its own tokens' rows
+    c = join_segments([1, 2, 3], [seg(4, p + 3, 1, "length"), seg(2, 2, 2, "stop")], [5, 7])
+    np.testing.assert_array_equal(c.prompt_tokens, [1, 2, 3])
+    np.testing.assert_array_equal(c.response_tokens, [1, 1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(c.token_versions, [5, 5, 5, 5, 7, 7])
+    assert c.routed_experts.shape == (p + 6 - 1, l, k) and c.finish_reason == "stop"
+    np.testing.assert_array_equal(c.routed_experts[:, 0, 0], [1] * 6 + [2] * 2)
+    np.testing.assert_array_equal(c.routed_gates[:, 0, 0], [1] * 6 + [2] * 2)
+    assert c.router_logits is None
+    body = completion_request([1, 2, 3, 1, 1], SamplingParams(max_new_tokens=2), 9,
+                              routes_from=4)
+    assert body["routed_experts_prompt_start"] == 4 and body["max_tokens"] == 2
 
 
 def test_missing_vllm_python_is_a_clear_error(monkeypatch):
