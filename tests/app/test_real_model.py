@@ -114,8 +114,15 @@ def test_user_checkpoint_trains_evaluates_and_exports(small, tmp_path):
                     reason="SATJAX_VLLM_PYTHON is unset (the vLLM test group)")
 @pytest.mark.slow
 def test_user_checkpoint_trains_with_vllm(small, tmp_path):
-    _run_and_check(small, tmp_path / "run", "--set", "rollout.engine=vllm",
-                   "--set", f"rollout.vllm_python={os.environ['SATJAX_VLLM_PYTHON']}")
+    """With the whole router record through vLLM's plug-in: gate replay, router logits,
+    partial rollouts."""
+    rows = _run_and_check(small, tmp_path / "run", "--set", "rollout.engine=vllm",
+                          "--set", f"rollout.vllm_python={os.environ['SATJAX_VLLM_PYTHON']}",
+                          "--set", "train.replay=gates", "--set", "rollout.partial=true",
+                          "--set", "rollout.record_router_logits=true")
+    for m in rows:  # the trainer's forward applies vLLM's experts and gates exactly
+        assert m["router_gate_diff_applied"] == 0.0 and m["router_mismatch_applied"] == 0.0, m
+        assert m["router_kl"] >= 0 and m["router_gate_diff"] >= 0, m
 
 
 def _error(capsys, command, argv):
