@@ -425,7 +425,10 @@ class _TrainStep:
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
             "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * valid_rows) / n_rows,
             "lag_mean": jnp.sum(lag * valid_rows) / n_rows,
-            "lag_max": jnp.max(jnp.where(valid_rows, lag, -jnp.inf)),
+            # 0, not -inf, for a batch with no valid row (every group dropped or masked):
+            # -inf is no JSON number
+            "lag_max": jnp.where(jnp.any(valid_rows),
+                                 jnp.max(jnp.where(valid_rows, lag, -jnp.inf)), 0.0),
         }
         metrics.update(update_metrics)
         return nnx.state(ts), metrics
