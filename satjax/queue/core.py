@@ -54,11 +54,11 @@ from satjax.queue.store import (
     STATE_FILE,
     ConsumerState,
     DataDirError,
-    DirLock,
     Location,
     RetiredIds,
     SegmentLog,
     StorageError,
+    lock_data_dir,
     segment_paths,
 )
 from satjax.queue.validation import ROUTER_FIELDS, Limits, Problem, router_record, validate
@@ -421,7 +421,7 @@ class TrajectoryQueue:
         self.settings = settings
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = DirLock(self.dir)
+        self._dir_lock = lock_data_dir(self.dir)
         try:
             self._open(reset_consumer_state)
         except BaseException:
