@@ -21,10 +21,10 @@ Only this module spells these names; everything else asks it for paths.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import os
 from pathlib import Path
+
+from satjax.utils import LockHeldError, PidLock
 
 METRICS_FILE = "metrics.jsonl"
 WEIGHTS_CONFIG_FILE = "run_config.yaml"
@@ -139,28 +139,18 @@ class RunLock:
         dirs = RunDirs(root)
         try:
             dirs.root.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(dirs.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock = PidLock(dirs.lock)
+        except LockHeldError as e:
+            raise RunDirError(
+                f"run_dir {str(root)!r}: in use by a running satjax train (pid {e.holder}, "
+                f"which holds {dirs.lock.name}); stop it first, or choose another "
+                "run_dir") from None
         except OSError as e:
             raise RunDirError(f"run_dir {str(root)!r}: must be a writable directory, got "
                               f"{e.strerror or e} ({e.filename or dirs.lock})") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise RunDirError(
-                f"run_dir {str(root)!r}: in use by a running satjax train (pid {holder}, "
-                f"which holds {dirs.lock.name}); stop it first, or choose another "
-                "run_dir") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = -1
+        self._lock.release()
 
     def __enter__(self) -> RunLock:
         return self

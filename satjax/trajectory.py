@@ -10,6 +10,10 @@ import dataclasses
 
 import numpy as np
 
+# The largest policy version: versions are int32 wherever they are arrays (token_versions,
+# a batch's policy_versions) and in the trainer's state.
+MAX_VERSION = int(np.iinfo(np.int32).max)
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -31,6 +35,7 @@ class Trajectory:
                                          probabilities), same rows and order.
       router_logits:      float16 [P + N - 1, L, E] or None. The engine's full router logits
                                          (``rollout.record_router_logits``).
+      policy_version:     in [0, MAX_VERSION].
       token_versions:     int32   [N] or None. The policy version that sampled each response
                                          token (a partial rollout spans several); None: all
                                          of them ``policy_version``. When set,

@@ -4,6 +4,8 @@ children that die with their parent."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import platform
 import signal
@@ -66,6 +68,43 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool
     os.replace(tmp, path)
     if fsync:
         fsync_dir(path.parent)
+
+
+class LockHeldError(RuntimeError):
+    """The lock file is held by another process (``holder``: the pid it wrote, or "?")."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path}: held by pid {holder}")
+        self.path, self.holder = path, holder
+
+
+class PidLock:
+    """Exclusive ``flock`` on ``path`` (created), which then holds the owner's pid.
+
+    The kernel drops the lock with the process (``kill -9`` included), so a lock file left
+    behind never blocks a successor; the pid only names the holder in the refusal
+    (:class:`LockHeldError`). The descriptor is not inherited by children (Python's
+    default), so an orphaned child does not hold what its parent held.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], mode: int = 0o644) -> None:
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, mode)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise LockHeldError(self.path, holder) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = -1
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -222,8 +222,12 @@ class WeightSubscriber:
     """The worker side: which version to serve, where it is, its canary, and the versions
     to read to get there."""
 
-    def __init__(self, sync_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, sync_dir: str | os.PathLike[str], *,
+                 architecture: dict[str, Any] | None = None) -> None:
+        """``architecture``: the ``config.json`` values every full version must have (the
+        run's model: ``Qwen3MoeConfig.architecture()``); None: not checked."""
         self.sync_dir = Path(sync_dir)
+        self.architecture = architecture
 
     def wanted_version(self) -> int | None:
         """``TARGET`` if the trainer set one (exact-lag mode), else ``LATEST``."""
@@ -274,6 +278,20 @@ class WeightSubscriber:
             if have is not None and (p.version, p.manifest.get("id")) == have:
                 return chain[i + 1:]
         return chain
+
+    def check_architecture(self, full: Published) -> None:
+        """Raises :class:`WeightSyncError` naming the keys where the ``config.json`` of the
+        full version ``full`` (its files complete) differs from :attr:`architecture`: weights
+        of another model (another run's, another shape) are never served, so their
+        trajectories never reach the queue."""
+        if self.architecture is None:
+            return
+        got = json.loads((full.path / "config.json").read_text())
+        diff = [f"{k}={got.get(k)!r} (the run's: {v!r})"
+                for k, v in self.architecture.items() if got.get(k) != v]
+        if diff:
+            raise WeightSyncError(f"version {full.version} in {full.path} is not the run's "
+                                  f"model: its config.json has {', '.join(diff)}")
 
     def wait_for(self, version: int, timeout: float = 60.0, poll: float = 0.05) -> Path:
         deadline = time.monotonic() + timeout

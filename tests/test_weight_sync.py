@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 
@@ -280,3 +281,32 @@ def test_the_vllm_plugin_side_imports_no_jax():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_a_version_of_another_architecture_is_refused(tmp_path):
+    """A subscriber told the run's architecture refuses a full version whose config.json
+    differs in it (4 experts where the run has 8), naming the key; other keys (dtype) and
+    versions of the run's model pass."""
+    from satjax.model import Qwen3MoeConfig
+
+    run = Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, num_experts=8,
+                         num_experts_per_tok=2)
+
+    def writer(cfg):
+        def write(d):
+            (d / "model.safetensors").write_text("w")
+            (d / "config.json").write_text(json.dumps({**cfg.to_hf_dict(),
+                                                       "torch_dtype": "bfloat16"}))
+        return write
+
+    pub = WeightPublisher(tmp_path, keep=5)
+    pub.publish(0, writer(run))
+    pub.publish(1, writer(dataclasses.replace(run, num_experts=4)))
+    sub = WeightSubscriber(tmp_path, architecture=run.architecture())
+    sub.check_architecture(sub.sync_plan(0, None)[0])
+    with pytest.raises(WeightSyncError, match=r"version 1 .* not the run's model: its "
+                                              r"config.json has num_experts=4 \(the run's: 8\)"):
+        sub.check_architecture(sub.sync_plan(1, None)[0])
+    WeightSubscriber(tmp_path).check_architecture(sub.sync_plan(1, None)[0])  # unchecked

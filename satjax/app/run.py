@@ -49,6 +49,7 @@ from satjax.run_dir import RunDirs, RunLock
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft, warmup_enabled
 from satjax.train.trainer import Trainer
+from satjax.trajectory import MAX_VERSION
 from satjax.utils import atomic_write, free_port
 
 log = logging.getLogger(__name__)
@@ -215,13 +216,21 @@ def write_run_config(dirs: RunDirs, cfg: Config) -> None:
 
 def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     """``serve-queue`` flags that make the queue refuse what this model cannot train on:
-    token ids, expert ids, route shapes, lengths beyond the largest bucket, wrong groups."""
+    token ids, expert ids, route shapes, lengths beyond the largest bucket, wrong groups,
+    versions beyond the trainer's int32 ones, and trajectories without the router record
+    the run's workers make (a batch mixing rows with and without it cannot be trained on):
+    refused at put, such a group would stop the trainer on every delivery."""
+    routes = cfg.rollout.record_routes and bool(model_config.moe_layer_indices)
+    required = (["routed_experts"] if routes else []) + (
+        ["routed_gates"] if routes and cfg.train.replay == "gates" else [])
     return ["--vocab-size", str(model_config.vocab_size),
             "--num-experts", str(model_config.num_experts),
             "--moe-layers", str(len(model_config.moe_layer_indices)),
             "--top-k", str(model_config.num_experts_per_tok),
             "--max-seq-len", str(max(train_buckets(cfg))),
-            "--group-size", str(cfg.rollout.group_size)]
+            "--group-size", str(cfg.rollout.group_size),
+            "--max-version", str(MAX_VERSION),
+            *(arg for field in required for arg in ("--require-record", field))]
 
 
 class PendingAcks:

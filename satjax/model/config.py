@@ -6,6 +6,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+# the fields of Qwen3MoeConfig that fix the parameters' shapes and the routing
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size",
+                       "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                       "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+                       "tie_word_embeddings", "attention_bias")
+
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig:
@@ -123,6 +130,13 @@ class Qwen3MoeConfig:
         if kwargs.get("mlp_only_layers") is None:
             kwargs["mlp_only_layers"] = ()
         return cls(**kwargs)
+
+    def architecture(self) -> dict[str, Any]:
+        """The ``config.json`` values (:meth:`to_hf_dict`'s) that a checkpoint of this model
+        must have: those that fix the parameters' shapes and the routing. A worker refuses
+        a published version whose config.json differs in any of them."""
+        d = self.to_hf_dict()
+        return {k: d[k] for k in ARCHITECTURE_FIELDS}
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers (4.x and 5.x) and vLLM load."""

@@ -54,14 +54,14 @@ from satjax.queue.store import (
     STATE_FILE,
     ConsumerState,
     DataDirError,
-    DirLock,
     Location,
     RetiredIds,
     SegmentLog,
     StorageError,
+    lock_data_dir,
     segment_paths,
 )
-from satjax.queue.validation import Limits, Problem, validate
+from satjax.queue.validation import ROUTER_FIELDS, Limits, Problem, router_record, validate
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class Group:
     group_id: str
     size: int
     prompt_id: str
+    record: tuple[str, ...]  # the router fields its members carry (router_record)
     members: list[Entry] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # members' share of a GetBatch reply (record + framing)
 
@@ -178,6 +179,28 @@ class Group:
     @property
     def complete(self) -> bool:
         return len(self.members) >= self.size
+
+
+@dataclasses.dataclass
+class StagedGroup:
+    """Members of one group accepted earlier in the put being checked, not yet indexed."""
+
+    size: int
+    prompt_id: str
+    record: tuple[str, ...]
+    count: int = 0
+    nbytes: int = 0
+
+
+def _fits(msg: TrajectoryView, total: int, nbytes: int, max_bytes: int) -> Problem | None:
+    """The group of ``msg`` (``total`` bytes so far) still fits in one GetBatch reply:
+    refused now, or the group could never be delivered and would hold up the queue."""
+    if total + nbytes > max_bytes:
+        return Problem("group_id", f"group_id: group {msg.group_id!r} must fit in one "
+                                   f"message of {max_bytes} bytes (the server's max "
+                                   f"message size), got {total + nbytes!r} bytes with "
+                                   f"this member")
+    return None
 
 
 # ===================================================================================
@@ -221,7 +244,7 @@ class GroupIndex:
         group = self.groups.get(msg.group_id)
         if group is None:
             group = self.groups[msg.group_id] = Group(msg.group_id, msg.group_size,
-                                                      msg.prompt_id)
+                                                      msg.prompt_id, router_record(msg))
         group.members.append(entry)
         group.nbytes += reply_bytes(entry.loc.length)
 
@@ -239,40 +262,42 @@ class GroupIndex:
         if group is not None and all(m.seq not in live for m in group.members):
             del self.groups[group_id]
 
-    def check(self, msg: TrajectoryView, staged: dict[str, list], nbytes: int,
+    def check(self, msg: TrajectoryView, staged: dict[str, StagedGroup], nbytes: int,
               max_bytes: int) -> Problem | None:
-        """Members of a group agree on group_size and prompt_id; no more than group_size;
-        the whole group fits in one GetBatch reply of ``max_bytes``.
+        """Members of a group agree on group_size, prompt_id and which router fields they
+        carry (a group the trainer could only batch in part would stop it on every
+        delivery); no more than group_size; the whole group fits in one GetBatch reply of
+        ``max_bytes``.
 
-        ``staged``: group -> [group_size, prompt_id, count, bytes] of items accepted earlier
-        in the same put, not yet indexed; ``nbytes``: this item's share of a reply.
+        ``staged``: the groups of items accepted earlier in the same put, not yet indexed;
+        ``nbytes``: this item's share of a reply.
         """
         group, mine = self.groups.get(msg.group_id), staged.get(msg.group_id)
         if group is not None:
-            size, prompt, count, total = (group.size, group.prompt_id, len(group.members),
-                                          group.nbytes)
+            size, prompt, record = group.size, group.prompt_id, group.record
+            count, total = len(group.members), group.nbytes
         elif mine is not None:
-            size, prompt, count, total = mine[0], mine[1], 0, 0
+            size, prompt, record, count, total = mine.size, mine.prompt_id, mine.record, 0, 0
         else:
-            size, prompt, count, total = msg.group_size, msg.prompt_id, 0, 0
+            return _fits(msg, 0, nbytes, max_bytes)
         if mine is not None:
-            count, total = count + mine[2], total + mine[3]
+            count, total = count + mine.count, total + mine.nbytes
         if msg.group_size != size:
             return Problem("group_size", f"group_size: must be {size} like the rest of group "
                                          f"{msg.group_id!r}, got {msg.group_size!r}")
         if msg.prompt_id != prompt:
             return Problem("prompt_id", f"prompt_id: must be {prompt!r} like the rest of group "
                                         f"{msg.group_id!r}, got {msg.prompt_id!r}")
+        mine_record = router_record(msg)
+        if mine_record != record:
+            field = next(f for f in ROUTER_FIELDS if (f in record) != (f in mine_record))
+            return Problem(field, f"{field}: must be {'present' if field in record else 'absent'}"
+                                  f" like in the rest of group {msg.group_id!r} (a group "
+                                  f"carries one router record: {', '.join(record) or 'none'})")
         if count >= size:
             return Problem("group_id", f"group_id: group {msg.group_id!r} already has its "
                                        f"{size} members")
-        if total + nbytes > max_bytes:
-            # refused now, or the group could never be delivered and would hold up the queue
-            return Problem("group_id", f"group_id: group {msg.group_id!r} must fit in one "
-                                       f"message of {max_bytes} bytes (the server's max "
-                                       f"message size), got {total + nbytes!r} bytes with "
-                                       f"this member")
-        return None
+        return _fits(msg, total, nbytes, max_bytes)
 
     def stale(self, trainer_version: int, max_lag: int) -> list[Entry]:
         """Pending members of groups whose oldest member has ``lag > max_lag``, or that were
@@ -396,7 +421,7 @@ class TrajectoryQueue:
         self.settings = settings
         self.dir = Path(data_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = DirLock(self.dir)
+        self._dir_lock = lock_data_dir(self.dir)
         try:
             self._open(reset_consumer_state)
         except BaseException:
@@ -578,7 +603,7 @@ class TrajectoryQueue:
             self._check_open()
             trainer_v = self._consumer.trainer_version
             newest = trainer_v + 1 + self.settings.future_slack
-            staged: dict[str, list] = {}  # group -> [group_size, prompt_id, staged count]
+            staged: dict[str, StagedGroup] = {}
             seen: set[str] = set()
             to_store: list[tuple[bytes, TrajectoryView]] = []
             # a duplicate of a staged item is acknowledged only once that item is durable
@@ -606,9 +631,10 @@ class TrajectoryQueue:
                     result.rejected.append(Rejection(i, tid, bad.field, bad.message))
                     continue
                 seen.add(tid)
-                mine = staged.setdefault(msg.group_id, [msg.group_size, msg.prompt_id, 0, 0])
-                mine[2] += 1
-                mine[3] += reply_bytes(len(raw))
+                mine = staged.setdefault(msg.group_id, StagedGroup(
+                    msg.group_size, msg.prompt_id, router_record(msg)))
+                mine.count += 1
+                mine.nbytes += reply_bytes(len(raw))
                 to_store.append((raw, msg))
             entries = []
             if to_store:

@@ -49,7 +49,7 @@ from satjax.queue.core import (
 )
 from satjax.queue.protocol import ERROR_KIND_KEY, MIN_TOKEN_CHARS, STORAGE_ERROR, TOKEN_ENV
 from satjax.queue.store import FSYNC_POLICIES, DataDirError, StorageError
-from satjax.queue.validation import Limits
+from satjax.queue.validation import ROUTER_FIELDS, Limits
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-layers", type=int, help="reject routes with another layer count")
     p.add_argument("--top-k", type=int, help="reject routes with another experts-per-token")
     p.add_argument("--group-size", type=int, help="reject groups of another size")
+    p.add_argument("--max-version", type=int, default=limits.max_version,
+                   help="reject a newer policy_version (default: the int64 range)")
+    p.add_argument("--require-record", action="append", default=[], choices=ROUTER_FIELDS,
+                   help="reject trajectories without this router field (repeatable)")
     p.add_argument("--max-seq-len", "--max-tokens", dest="max_seq_len", type=int,
                    default=limits.max_seq_len,
                    help="longest trajectory, prompt + response (default: %(default)s)")
@@ -427,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = Limits(max_seq_len=args.max_seq_len, vocab_size=args.vocab_size,
                         num_experts=args.num_experts, moe_layers=args.moe_layers,
-                        top_k=args.top_k, group_size=args.group_size)
+                        top_k=args.top_k, group_size=args.group_size,
+                        max_version=args.max_version, required=tuple(args.require_record))
         settings = QueueSettings(
             fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
             max_lag_default=args.max_lag_default, future_slack=args.future_slack,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from zlib_ng.zlib_ng import crc32  # zlib's CRC-32 (same values), SIMD: ~4x faster here
 
-from satjax.utils import atomic_write, fsync_dir, writev_all
+from satjax.utils import LockHeldError, PidLock, atomic_write, fsync_dir, writev_all
 
 log = logging.getLogger(__name__)
 
@@ -80,30 +79,14 @@ def segment_paths(data_dir: Path) -> list[Path]:
     return paths
 
 
-class DirLock:
-    """Exclusive ``flock`` on ``data_dir/LOCK``: one server per data directory.
-
-    The kernel drops the lock with the process (``kill -9`` included), so a stale LOCK file
-    never blocks a successor; the pid written into it only names the holder in the refusal.
-    """
-
-    def __init__(self, data_dir: Path):
-        path = data_dir / "LOCK"
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise DataDirError(f"data_dir {str(data_dir)!r}: already served by pid {holder} "
-                               f"(it holds {path.name}); stop that server first") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the descriptor releases the flock
-            self._fd = -1
+def lock_data_dir(data_dir: Path) -> PidLock:
+    """Exclusive lock on ``data_dir/LOCK`` (:class:`satjax.utils.PidLock`): one server per
+    data directory; :class:`DataDirError` naming the holder's pid when another has it."""
+    try:
+        return PidLock(data_dir / "LOCK", mode=0o600)
+    except LockHeldError as e:
+        raise DataDirError(f"data_dir {str(data_dir)!r}: already served by pid {e.holder} "
+                           f"(it holds {e.path.name}); stop that server first") from None
 
 
 @dataclasses.dataclass

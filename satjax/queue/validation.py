@@ -26,6 +26,8 @@ from satjax.queue.codec import (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+# the router record's optional fields, in the order they are checked
+ROUTER_FIELDS = ("routed_experts", "routed_gates", "router_logits")
 # the trainer computes in float32: a float64 value beyond this is inf there
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # gate weights are probabilities; float16 rounds a weight of 1 up to at most this
@@ -46,14 +48,22 @@ class Limits:
     moe_layers: int | None = None     # routes / router logits have this many layers (L)
     top_k: int | None = None          # routes have this many experts per token (k)
     group_size: int | None = None     # the run's group size: every group has exactly it
+    max_version: int = 2**63 - 1      # policy_version is int64 on the wire; a satjax
+                                      # trainer's run passes its int32 bound (MAX_VERSION)
+    required: tuple[str, ...] = ()    # router fields every trajectory must carry (what the
+                                      # run's workers record and its trainer batches)
     logprob_tolerance: float = 1e-4   # log-probs may exceed 0 by this much (fp rounding)
 
     def __post_init__(self):
         for name in ("max_seq_len", "max_group_size", "max_id_chars", "vocab_size",
-                     "num_experts", "moe_layers", "top_k", "group_size"):
+                     "num_experts", "moe_layers", "top_k", "group_size", "max_version"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value!r}")
+        unknown = set(self.required) - set(ROUTER_FIELDS)
+        if unknown:
+            raise ValueError(f"required: must name fields of {ROUTER_FIELDS}, "
+                             f"got {sorted(unknown)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +99,9 @@ def _check_ids(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     if limits.group_size is not None and msg.group_size != limits.group_size:
         return Problem("group_size", f"group_size: must be the run's group size "
                                      f"{limits.group_size}, got {msg.group_size!r}")
-    if msg.policy_version < 0:
-        return Problem("policy_version", f"policy_version: must be >= 0, "
-                                         f"got {msg.policy_version!r}")
+    if not 0 <= msg.policy_version <= limits.max_version:
+        return Problem("policy_version", f"policy_version: must be in [0, "
+                                         f"{limits.max_version}], got {msg.policy_version!r}")
     if msg.finish_reason not in FINISH_REASONS:
         return Problem("finish_reason", f"finish_reason: must be one of {FINISH_REASONS}, "
                                         f"got {msg.finish_reason!r}")
@@ -163,7 +173,16 @@ def _shape(field: str, shape, data: bytes | memoryview, dtype: np.dtype, rows: i
     return None
 
 
+def router_record(msg: TrajectoryLike) -> tuple[str, ...]:
+    """The fields of :data:`ROUTER_FIELDS` that ``msg`` carries."""
+    return tuple(f for f in ROUTER_FIELDS if msg.HasField(f))
+
+
 def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | None:
+    for field in limits.required:
+        if not msg.HasField(field):
+            return Problem(field, f"{field}: must be present (this queue requires it of "
+                                  f"every trajectory: --require-record), got none")
     num_experts = limits.num_experts
     logits_e = None
     # None when unset (a pb2 message returns an empty default, a TrajectoryView None)

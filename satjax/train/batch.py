@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from satjax.trajectory import Trajectory
+from satjax.trajectory import MAX_VERSION, Trajectory
 
 
 @struct.dataclass
@@ -190,6 +190,9 @@ def make_batch(
             )
         if P == 0:
             raise ValueError(f"trajectory {t.trajectory_id!r}: empty prompt")
+        if not 0 <= t.policy_version <= MAX_VERSION:
+            raise ValueError(f"trajectory {t.trajectory_id!r}: policy_version must be in "
+                             f"[0, {MAX_VERSION}] (int32), got {t.policy_version!r}")
         tokens[i, :P] = t.prompt_tokens
         tokens[i, P : P + N] = t.response_tokens
         attn[i, : P + N] = 1

@@ -146,13 +146,14 @@ class _TrainStep:
         normalize_adv_std: bool,
         donate: bool,
         remat: str,
-        updates_per_batch: int = 1,
-        mini_batches: int = 1,
-        kl_coef: float = 0.0,
-        kl_estimator: str = ObjectiveConfig().kl_estimator,
-        entropy_coef: float = 0.0,
-        reference: nnx.State | None = None,
+        updates_per_batch: int,
+        mini_batches: int,
+        kl_coef: float,
+        kl_estimator: str,
+        entropy_coef: float,
+        reference: nnx.State | None,
     ) -> None:
+        # built by make_train_step only, which documents the arguments and holds the defaults
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         if updates_per_batch < 1 or mini_batches < 1:
@@ -425,7 +426,10 @@ class _TrainStep:
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
             "advantage_abs_mean": jnp.sum(jnp.abs(advantages) * valid_rows) / n_rows,
             "lag_mean": jnp.sum(lag * valid_rows) / n_rows,
-            "lag_max": jnp.max(jnp.where(valid_rows, lag, -jnp.inf)),
+            # 0, not -inf, for a batch with no valid row (every group dropped or masked):
+            # -inf is no JSON number
+            "lag_max": jnp.where(jnp.any(valid_rows),
+                                 jnp.max(jnp.where(valid_rows, lag, -jnp.inf)), 0.0),
         }
         metrics.update(update_metrics)
         return nnx.state(ts), metrics

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from satjax.app.commands import edited_keys, next_step
-from satjax.app.run import write_run_config
+from satjax.app.run import queue_limit_flags, write_run_config
 from satjax.config import dump_config, load_config
 from satjax.run_dir import RunDirs, RunLock
 
@@ -274,3 +274,20 @@ def test_resume_is_suggested_only_where_it_can_help(tmp_path):
     # a cause outside the run: --resume helps only once it is fixed
     assert next_step(run, full) == (f"fix the cause (No space left on device: {run}/logs/"
                                     f"metrics.jsonl), then {cont}")
+
+
+def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
+    """``satjax train``'s queue requires the router record its workers make (experts; gates
+    too under gate replay) and bounds versions to the trainer's int32 ones."""
+    from satjax.factory import build_tokenizer, model_config
+    from satjax.trajectory import MAX_VERSION
+
+    def flags(*overrides):
+        cfg = load_config(overrides=list(overrides))
+        out = queue_limit_flags(cfg, model_config(cfg, build_tokenizer(cfg)))
+        return ([out[i + 1] for i, f in enumerate(out) if f == "--require-record"],
+                out[out.index("--max-version") + 1])
+
+    assert flags() == (["routed_experts"], str(MAX_VERSION))
+    assert flags("train.replay=gates")[0] == ["routed_experts", "routed_gates"]
+    assert flags("rollout.record_routes=false", "train.replay=off")[0] == []

@@ -17,7 +17,8 @@ from satjax.queue.core import QueueSettings
 from satjax.utils import free_port
 
 LIMITS = ("--vocab-size", "1000", "--num-experts", "8", "--moe-layers", "2", "--top-k", "2",
-          "--max-seq-len", "30", "--group-size", "2")
+          "--max-seq-len", "30", "--group-size", "2", "--max-version", "1000",
+          "--require-record", "routed_experts")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -54,6 +55,8 @@ def _poisons(make_traj):
                                   "reward_details"),
         "negative version": (dataclasses.replace(traj("neg"), policy_version=-1),
                              "policy_version"),
+        "version over --max-version": (traj("new", version=1001), "policy_version"),
+        "no routes (--require-record)": (traj("bare", routes=False), "routed_experts"),
     }
 
 
@@ -98,6 +101,33 @@ def test_versions_are_64_bit_end_to_end(tmp_path, token, make_group, start_serve
             assert len(c.get_batch(2, big, max_lag=10).trajectories) == 2
     finally:
         stop(server)
+
+
+def test_a_group_carries_one_router_record(harness, make_traj, make_group):
+    """A member without the routes (gates, logits) its group's others carry is refused,
+    in the put that opened the group or a later one: the trainer could batch only part of
+    such a group, and would stop on it at every delivery (also after --resume)."""
+    h, client = harness()
+
+    def member(group, i, **kw):
+        return make_traj(f"{group}-{i}", group, group_size=3, seed=i, **kw)
+
+    result = client.put([member("a", 0), member("a", 1, routes=False), member("a", 2)])
+    assert result.accepted == ["a-0", "a-2"]
+    assert result.rejected[0].field == "routed_experts"
+    assert "must be present like in the rest of group 'a'" in result.rejected[0].message
+    # against members stored by an earlier put, and for each optional field
+    client.put([member("b", 0, routes=False), member("c", 0, gates=True),
+                member("d", 0, logits=True)])
+    later = client.put([member("b", 1), member("c", 1), member("d", 1),
+                        member("a", 3, routes=False)])
+    assert [(r.trajectory_id, r.field) for r in later.rejected] == [
+        ("b-1", "routed_experts"), ("c-1", "routed_gates"), ("d-1", "router_logits"),
+        ("a-3", "routed_experts")]
+    client.put([member("a", 1)])  # the group completes with a consistent member
+    got = client.get_batch(3, 0).trajectories
+    assert sorted(t.trajectory_id for t in got) == ["a-0", "a-1", "a-2"]
+    assert all(t.routed_experts is not None for t in got)
 
 
 def test_group_larger_than_a_message_is_refused_at_put(harness, make_traj, make_group):

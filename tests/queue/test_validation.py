@@ -54,6 +54,19 @@ def good(make_traj, to_proto):
     return make
 
 
+def test_limits_bound_the_version_and_require_router_fields(good):
+    msg = good()
+    assert validate(msg, Limits(max_version=3, required=("routed_experts", "routed_gates",
+                                                         "router_logits"))) is None
+    bad = validate(msg, Limits(max_version=2))
+    assert bad is not None and bad.field == "policy_version" and "[0, 2]" in bad.message
+    msg.ClearField("router_logits")
+    bad = validate(msg, Limits(required=("router_logits",)))
+    assert bad is not None and bad.field == "router_logits" and "must be present" in bad.message
+    with pytest.raises(ValueError, match="required: must name fields"):
+        Limits(required=("routes",))
+
+
 def test_a_full_record_is_valid(good):
     assert validate(good(), Limits(num_experts=8, moe_layers=2, top_k=2)) is None
 

@@ -80,6 +80,10 @@ def test_errors_name_the_culprit():
     with pytest.raises(ValueError, match="'z': routed_experts shape"):
         make_batch([bad, traj("w", "h", 2, 2)], buckets=(8,))
     assert pick_bucket(65, (64, 128)) == 128 and pick_bucket(129, (64, 128)) is None
+    new = [traj("v", "k", 2, 2), traj("u", "k", 2, 2)]
+    new[1].policy_version = 2**31  # the queue carries int64; a batch's versions are int32
+    with pytest.raises(ValueError, match=r"'u': policy_version must be in \[0, 2147483647\]"):
+        make_batch(new, buckets=(8,))
 
 
 def test_metrics_logger_writes_jsonl_and_tensorboard(tmp_path):

@@ -94,6 +94,15 @@ def test_step_updates_params_and_reports_metrics(reference, make_state, host, ba
     np.testing.assert_allclose([x["learning_rate"] for x in ref_metrics], [0.1, 0.05])
 
 
+def test_a_batch_without_valid_rows_logs_finite_staleness(run_steps, batches):
+    """Every row masked (all groups dropped): lag_mean and lag_max are 0, not -inf."""
+    batch = batches[0]
+    masked = batch.replace(loss_mask=np.zeros_like(batch.loss_mask))
+    _, m = run_steps([batch, masked])
+    assert m[0]["lag_max"] >= 0 and np.isfinite(m[0]["lag_max"])
+    assert (m[1]["lag_max"], m[1]["lag_mean"], m[1]["sequences"]) == (0.0, 0.0, 0.0)
+
+
 @pytest.mark.slow
 def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
     ref_state, ref_metrics = reference
