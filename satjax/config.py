@@ -451,6 +451,9 @@ def _check_values(cfg: Config) -> None:
     need(0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_new_tokens,
          "rollout.overlong_buffer", ">= 0 and < rollout.max_new_tokens")
     need(cfg.rollout.overlong_penalty >= 0, "rollout.overlong_penalty", ">= 0")
+    need(cfg.rollout.record_routes or not cfg.rollout.record_router_logits,
+         "rollout.record_router_logits", "off unless rollout.record_routes is on (the logits "
+         "travel with the routes they chose)")
     need(cfg.train.replay != "gates" or cfg.rollout.record_routes, "train.replay",
          "'off' or 'experts' unless rollout.record_routes is on (gate replay needs the "
          "engine's experts and gate weights)")
@@ -506,6 +509,16 @@ def max_sequence_tokens(cfg: Config) -> int:
     """The longest trajectory a run makes: ``task.max_prompt_tokens`` prompt tokens (longer
     prompts are dropped at load) plus ``rollout.max_new_tokens`` response tokens."""
     return cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def router_record(cfg: Config) -> tuple[str, ...]:
+    """The router fields (``Trajectory`` names) every trajectory of the run carries, with
+    either engine: the experts and their gate weights when ``rollout.record_routes``, the
+    full router logits too when ``rollout.record_router_logits`` (for an MoE model)."""
+    if not cfg.rollout.record_routes:
+        return ()
+    logits = ("router_logits",) if cfg.rollout.record_router_logits else ()
+    return ("routed_experts", "routed_gates", *logits)
 
 
 def train_buckets(cfg: Config) -> tuple[int, ...]:

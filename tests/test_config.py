@@ -292,6 +292,10 @@ def test_router_record_options_need_what_they_use():
     with pytest.raises(ConfigError, match="'train.replay': must be 'off' or 'experts' unless "
                                           "rollout.record_routes"):
         load_config(overrides=["train.replay=gates", "rollout.record_routes=false"])
+    with pytest.raises(ConfigError, match="'rollout.record_router_logits': must be off unless "
+                                          "rollout.record_routes"):
+        load_config(overrides=["train.replay=off", "rollout.record_routes=false",
+                               "rollout.record_router_logits=true"])
     # both engines record gates and (on request) logits and continue across updates
     for engine in ("builtin", "vllm"):
         cfg = load_config(overrides=["train.replay=gates", "rollout.record_router_logits=true",

@@ -17,7 +17,7 @@ TOKEN=${SATJAX_QUEUE_TOKEN:-$(openssl rand -hex 24)}
 # The queue and two workers on QUEUE_VM (the workers wait for the trainer's run_config.yaml).
 gcloud compute ssh "$QUEUE_VM" --zone "$ZONE" --command "
   export SATJAX_QUEUE_TOKEN=$TOKEN
-  nohup satjax serve-queue --host 0.0.0.0 --port ${QUEUE##*:} --insecure --data-dir $RUN/queue --vocab-size 55 --num-experts 8 --moe-layers 4 --top-k 2 --max-seq-len 4096 --group-size 8 --max-version 2147483647 --require-record routed_experts > queue.log 2>&1 &
+  nohup satjax serve-queue --host 0.0.0.0 --port ${QUEUE##*:} --insecure --data-dir $RUN/queue --vocab-size 55 --num-experts 8 --moe-layers 4 --top-k 2 --max-seq-len 4096 --group-size 8 --max-version 2147483647 --require-record routed_experts --require-record routed_gates > queue.log 2>&1 &
   for i in 0 1; do
     nohup satjax rollout --queue $QUEUE --weights $RUN/weights --worker-id \$i > worker\$i.log 2>&1 &
   done"

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from satjax.app.evaluate import eval_during_training
 from satjax.app.launch import ProcessGroup, new_token
-from satjax.config import Config, config_digest, dump_config, train_buckets
+from satjax.config import Config, config_digest, dump_config, router_record, train_buckets
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.prompts import PromptFormat
 from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
@@ -220,9 +220,7 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     versions beyond the trainer's int32 ones, and trajectories without the router record
     the run's workers make (a batch mixing rows with and without it cannot be trained on):
     refused at put, such a group would stop the trainer on every delivery."""
-    routes = cfg.rollout.record_routes and bool(model_config.moe_layer_indices)
-    required = (["routed_experts"] if routes else []) + (
-        ["routed_gates"] if routes and cfg.train.replay == "gates" else [])
+    required = router_record(cfg) if model_config.moe_layer_indices else ()
     return ["--vocab-size", str(model_config.vocab_size),
             "--num-experts", str(model_config.num_experts),
             "--moe-layers", str(len(model_config.moe_layer_indices)),

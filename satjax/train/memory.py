@@ -66,7 +66,10 @@ class StepMemory:
 
 def abstract_batch(cfg: Config, mcfg: Qwen3MoeConfig, rows: int, seq_len: int) -> Batch:
     """A :class:`Batch` of ``rows`` x ``seq_len`` shapes and dtypes (no data), with engine
-    routes when the run records and replays them."""
+    routes when the run records and replays them. The rest of the router record a real
+    batch may carry (gate weights: float16 [rows, seq_len, L, k], 6 MiB per 8k-token
+    sequence at the paper's 48 layers x top-8; logits on request) is left out: well under
+    the estimates' rounding."""
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype)
 

@@ -277,8 +277,8 @@ def test_resume_is_suggested_only_where_it_can_help(tmp_path):
 
 
 def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
-    """``satjax train``'s queue requires the router record its workers make (experts; gates
-    too under gate replay) and bounds versions to the trainer's int32 ones."""
+    """``satjax train``'s queue requires the router record its workers make (experts and
+    gates; logits on request) and bounds versions to the trainer's int32 ones."""
     from satjax.factory import build_tokenizer, model_config
     from satjax.trajectory import MAX_VERSION
 
@@ -288,6 +288,7 @@ def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
         return ([out[i + 1] for i, f in enumerate(out) if f == "--require-record"],
                 out[out.index("--max-version") + 1])
 
-    assert flags() == (["routed_experts"], str(MAX_VERSION))
-    assert flags("train.replay=gates")[0] == ["routed_experts", "routed_gates"]
+    assert flags() == (["routed_experts", "routed_gates"], str(MAX_VERSION))
+    assert flags("rollout.record_router_logits=true")[0] == [
+        "routed_experts", "routed_gates", "router_logits"]
     assert flags("rollout.record_routes=false", "train.replay=off")[0] == []
