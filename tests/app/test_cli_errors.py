@@ -239,6 +239,7 @@ def test_edited_keys_ignore_formatting_and_name_each_change(tmp_path):
     assert edited_keys(dirs, load_config(dirs.config)) == []
 
 
+@pytest.mark.slow
 def test_unreachable_queue_address_waits_then_fails_in_one_line(satjax_cli, tmp_path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,7 @@ def _train(run_dir, *extra):
     return [json.loads(x) for x in (Path(run_dir) / "logs" / "metrics.jsonl").open()]
 
 
+@pytest.mark.slow
 def test_gate_replay_trains_on_the_engines_experts_and_gates(tmp_path):
     """bf16 sampling, fp32 trainer: the trainer's own gates differ from the engine's, the
     gates its forward applies do not (nor the experts)."""
@@ -31,6 +34,7 @@ def test_gate_replay_trains_on_the_engines_experts_and_gates(tmp_path):
         assert m["router_gate_diff"] > 0 and m["router_kl"] > 0, m
 
 
+@pytest.mark.slow
 def test_partial_rollouts_span_versions(tmp_path):
     """At max_lag 1 the worker samples the next batch while the trainer trains on the one
     before; 64-token responses of the un-warmed model (16 segments) outlast some steps, so

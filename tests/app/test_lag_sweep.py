@@ -89,6 +89,7 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
         lag_sweep.run_config(spec, None, ["objective.name=grpo"], "out", "warm", 7, None)
 
 
+@pytest.mark.slow
 def test_partial_rollout_runs_move_to_the_next_version_mid_batch(tmp_path):
     """``--set rollout.partial=true``: after its first decode segment each batch is sampled
     by the next version, so its oldest tokens have the run's lag and the rest one less."""

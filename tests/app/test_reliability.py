@@ -208,6 +208,7 @@ def _start_train(tmp_path, *extra):
     ("satjax: sft warm-up: compiling the first step", 30),  # inside XLA's compile
     ("satjax: starting 1 rollout worker(s)", 0),  # the queue and the workers are up
 ])
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, phase, sft_steps):
     """Before: 7 of 10 such starts ended in a segfault (scripts/interrupt_startup.py)."""
     proc = _start_train(tmp_path, "--set", f"sft.steps={sft_steps}")

@@ -201,6 +201,7 @@ def _recipe(doc: Path, heading: str) -> str:
     return text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow
 def test_the_localhost_recipe_runs_end_to_end(tmp_path):
     """docs/parallel.md's localhost recipe, as written but for the port, the directory and
     the run's length: it exits 0, no process logs a traceback, the terminal shows only the
@@ -236,6 +237,7 @@ def test_the_localhost_recipe_runs_end_to_end(tmp_path):
     assert len(terminal) < 30, terminal
 
 
+@pytest.mark.slow
 def test_a_moved_run_given_by_a_relative_path_resumes(tmp_path):
     """A run started with a relative run_dir, then moved, resumes from its new place (given
     by another relative path): run_dir is where the run is, not what it is."""

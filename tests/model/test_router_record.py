@@ -60,6 +60,7 @@ def _forward(model, ids):
     return model(ids)
 
 
+@pytest.mark.slow
 def test_sampler_records_gates_and_logits_of_its_routing(model, cfg):
     comps = _engine(model, 3, record_logits=True).generate(PROMPTS, PARAMS, seed=1)
     for c in comps:
@@ -76,6 +77,7 @@ def test_sampler_records_gates_and_logits_of_its_routing(model, cfg):
         np.testing.assert_allclose(c.routed_gates.astype(np.float32), ref, atol=F16_GATE_ATOL)
 
 
+@pytest.mark.slow
 def test_a_batch_sampled_across_a_weight_update(model, cfg):
     """Each token carries the version whose logits it was drawn from; tokens and router
     rows of the first version equal its teacher-forced forward; those of the second equal
@@ -126,6 +128,7 @@ def test_a_batch_sampled_across_a_weight_update(model, cfg):
                                            seq[p + b:]]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_gate_replay_computes_the_engine_function(model):
     """A trainer whose router moved on (router weights perturbed) reproduces the engine's
     log-probs under gate replay, not under expert replay alone."""
@@ -147,6 +150,7 @@ def test_gate_replay_computes_the_engine_function(model):
     assert errs["experts"] > 10 * errs["gates"], errs
 
 
+@pytest.mark.slow
 def test_gate_replay_forward_and_straight_through_gradient(cfg):
     """Forward: the engine's gates exactly. Gradient to the router: nonzero, and equal to
     the straight-through reference, the gradient of the expert mix with respect to its

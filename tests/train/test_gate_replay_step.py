@@ -57,6 +57,7 @@ def _softmax(z):
     return e / e.sum(-1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_gates_replay_applies_the_engine_gates_and_still_trains_the_router(
         run_steps, gate_batch, trainer_routing, make_state, host, cfg):
     mask = np.asarray(gate_batch.route_mask(), np.float64)
