@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from satjax.app.sweep_spec import RunSpec
 from satjax.utils import versions_line
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -58,24 +59,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
 SWEEP_FILE = "sweep.json"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    variant: str
-    lag: int
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}-lag{self.lag}-seed{self.seed}"
-
-    def run_dir(self, out: str | os.PathLike[str]) -> Path:
-        """This run's directory (a :class:`satjax.run_dir.RunDirs` root) in sweep ``out``."""
-        return Path(out) / "runs" / self.name
-
-    def result_path(self, out: str | os.PathLike[str]) -> Path:
-        return self.run_dir(out) / "result.json"
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
