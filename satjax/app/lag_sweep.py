@@ -148,7 +148,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
         worker_config,
     )
     from satjax.rollout.builtin_engine import BuiltinEngine
-    from satjax.rollout.worker import RolloutWorker
+    from satjax.rollout.worker import GroupSampler
     from satjax.run_dir import RunDirs
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
@@ -164,11 +164,10 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     trainer = Trainer(cfg, build_model(cfg, tok), tok)  # model.path: the shared warm-up
     engine = BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tok.pad_id,
                            record_router_logits=cfg.rollout.record_router_logits)
-    worker = RolloutWorker(
-        engine, task, tok, client=None, subscriber=None,
-        examples=iter(prompt_dataset(task, seed=spec.seed + 17)),
-        cfg=dataclasses.replace(worker_config(cfg, tok, seed=spec.seed, worker_id=spec.name),
-                                record_routes=True),
+    sampler = GroupSampler(
+        engine, task, tok, iter(prompt_dataset(task, seed=spec.seed + 17)),
+        dataclasses.replace(worker_config(cfg, tok, seed=spec.seed, worker_id=spec.name),
+                            record_routes=True),
     )
     eval_sampling = sampling_params(cfg, tok, temperature=cfg.eval.temperature)
 
@@ -187,8 +186,8 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
             graphdef, params = history[0]  # exactly `lag` versions old (or v0 early on)
             behavior_version = trainer.policy_version - (len(history) - 1)
             engine.set_model(nnx.merge(graphdef, params), behavior_version)
-            trajectories = worker.generate_groups(
-                sync=_next_version(engine, history) if cfg.rollout.partial else None)
+            trajectories = sampler.sample(
+                _next_version(engine, history) if cfg.rollout.partial else None)
             metrics = trainer.train_on(trajectories)  # lag_mean: len(history) - 1
             rewards.append(float(metrics["reward_mean"]))
             history.append(snapshot())
