@@ -168,10 +168,12 @@ def test_an_unreachable_queue_is_retried_for_queue_retry_s_then_one_line(tmp_pat
             pytest.raises(QueueUnavailableError) as e:
         worker.run(max_batches=1, install_signal_handlers=False)
     took = time.monotonic() - t0
-    # waits 0.5 + 1.0 + the 0.1 s left of the bound: tries at 0, 0.5, 1.5, 1.6 s
-    assert client.calls == 4 and 1.6 <= took < 3.0
-    waits = [r.getMessage() for r in caplog.records]
-    assert [m.split("retrying in ")[1].split(" s")[0] for m in waits] == ["0.5", "1.0", "0.1"]
+    # waits 0.5 s, 1.0 s, then what is left of the bound (0.1 s; less on a loaded machine):
+    # tries at 0, 0.5, 1.5 and 1.6 s, then the error
+    waits = [float(r.getMessage().split("retrying in ")[1].split(" s")[0])
+             for r in caplog.records]
+    assert waits[:2] == [0.5, 1.0] and len(waits) in (2, 3) and client.calls == len(waits) + 1
+    assert all(w <= 0.1 for w in waits[2:]) and 1.6 <= took < 3.0
     message = str(e.value)
     assert "\n" not in message and message.startswith(
         "queue at 10.0.0.9:50051 unreachable for 1.6 s (rollout.queue_retry_s), giving up")
