@@ -153,6 +153,9 @@ class RolloutConfig:
     # built-in sampler keeps its KV cache, vLLM resubmits prompt + prefix); every token
     # records its version
     partial: bool = False
+    # how long a worker waits for a queue it cannot reach (restarted, a network blip),
+    # keeping the group it holds and retrying with backoff, before it exits (code 1)
+    queue_retry_s: float = 300.0
     vllm_python: str = ""  # interpreter of the venv where vLLM is installed
     # extra stop strings (the tokenizer's EOS and generation_config eos ids always stop)
     stop: tuple[str, ...] = ()
@@ -411,6 +414,9 @@ def _check_values(cfg: Config) -> None:
     need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1")
     need(cfg.rollout.num_workers >= (0 if cfg.queue.address else 1), "rollout.num_workers",
          ">= 1 (0 only with queue.address set: workers started separately feed that queue)")
+    need(0 <= cfg.rollout.queue_retry_s < math.inf, "rollout.queue_retry_s",
+         "a finite number of seconds >= 0 (0: a worker exits as soon as the queue is "
+         "unreachable)")
     need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1")
     need(cfg.rollout.temperature >= 0, "rollout.temperature", ">= 0")
     # The trainer recomputes log-probs of the temperature-scaled distribution only; a

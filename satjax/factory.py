@@ -183,9 +183,10 @@ def worker_config(cfg: Config, tokenizer, *, seed: int, worker_id: str) -> Worke
     """A rollout worker's settings from the run's config."""
     r = cfg.rollout
     return WorkerConfig(
-        group_size=r.group_size, prompts_per_batch=r.prompts_per_step,
+        group_size=r.group_size, prompts_per_step=r.prompts_per_step,
         sampling=sampling_params(cfg, tokenizer), seed=seed, worker_id=worker_id,
-        record_routes=r.record_routes, partial=r.partial, prompt=prompt_format(cfg),
+        record_routes=r.record_routes, partial=r.partial, queue_retry_s=r.queue_retry_s,
+        prompt=prompt_format(cfg),
         stop_strings=tuple(s for s in r.stop if tokenizer.token_id(s) is None),
         overlong=r.overlong, overlong_buffer=r.overlong_buffer,
         overlong_penalty=r.overlong_penalty)

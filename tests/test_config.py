@@ -78,6 +78,10 @@ def test_bad_keys_are_named(override, key):
         ("eval.k=0", "config key 'eval.k': must be >= 1, got 0"),
         ("task.max_digits=0", "config key 'task.max_digits': must be >= task.min_digits"),
         ("train.steps=[1", "config key 'train.steps': must be valid YAML, got "),
+        ("rollout.queue_retry_s=-1", "config key 'rollout.queue_retry_s': must be a finite "
+                                     "number of seconds >= 0"),
+        ("rollout.queue_retry_s=.inf", "config key 'rollout.queue_retry_s': must be a finite "
+                                       "number of seconds >= 0"),
     ],
 )
 def test_more_range_errors(override, message):

@@ -90,3 +90,15 @@ def test_the_train_library_does_not_load_the_app_even_transitively():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(SATJAX.parent), "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_rollout_worker_loads_the_queue_client_only():
+    """A producer shares :mod:`satjax.queue.protocol` with the server, never its code: the
+    worker process loads neither the server, its queue logic nor its storage (a worker
+    host needs none of them, and a change there cannot break a worker)."""
+    server_side = ("satjax.queue.server", "satjax.queue.core", "satjax.queue.store")
+    code = ("import sys, satjax.rollout.worker, satjax.app.worker_process, satjax.queue.client; "
+            f"sys.exit(sorted(m for m in sys.modules if m in {server_side!r}) or 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(SATJAX.parent), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import satjax.losses
+from satjax.app.sweep_spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -76,7 +77,7 @@ def test_readme_lists_every_command_and_each_example_parses_and_loads(monkeypatc
     for argv in commands:
         args = command_parser(argv[0]).parse_args(argv[1:])
         if argv[0] == "lag-sweep":
-            spec = lag_sweep.RunSpec("gspo", 1, 0)
+            spec = RunSpec("gspo", 1, 0)
             lag_sweep.run_config(spec, args.config, args.overrides, "out", "warmup", 3, None)
         else:  # resume examples: the keys they change must load over the saved config
             load_config(args.config or "configs/tiny.yaml", args.overrides)

@@ -36,7 +36,8 @@ EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C'd command (128 + SIGINT)
 # evaluated and where its workers and queue run. Anything else (the model, the task, the
 # objective, the optimizer, batch shapes, lags) would silently make it another experiment.
 RESUME_SAFE_KEYS = ("train.steps", "checkpoint.every", "checkpoint.keep", "eval.",
-                    "rollout.num_workers", "rollout.vllm_python", "queue.address",
+                    "rollout.num_workers", "rollout.vllm_python", "rollout.queue_retry_s",
+                    "queue.address",
                     "queue.token", "queue.fsync", "queue.ready_timeout_s")
 
 

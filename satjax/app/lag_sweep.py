@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from satjax.app.sweep_spec import RunSpec
 from satjax.utils import versions_line
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -58,24 +59,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
 SWEEP_FILE = "sweep.json"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    variant: str
-    lag: int
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.variant}-lag{self.lag}-seed{self.seed}"
-
-    def run_dir(self, out: str | os.PathLike[str]) -> Path:
-        """This run's directory (a :class:`satjax.run_dir.RunDirs` root) in sweep ``out``."""
-        return Path(out) / "runs" / self.name
-
-    def result_path(self, out: str | os.PathLike[str]) -> Path:
-        return self.run_dir(out) / "result.json"
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -165,7 +148,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
         worker_config,
     )
     from satjax.rollout.builtin_engine import BuiltinEngine
-    from satjax.rollout.worker import RolloutWorker
+    from satjax.rollout.worker import GroupSampler
     from satjax.run_dir import RunDirs
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
@@ -181,11 +164,10 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     trainer = Trainer(cfg, build_model(cfg, tok), tok)  # model.path: the shared warm-up
     engine = BuiltinEngine(cfg.rollout.sample_dtype, pad_id=tok.pad_id,
                            record_router_logits=cfg.rollout.record_router_logits)
-    worker = RolloutWorker(
-        engine, task, tok, client=None, subscriber=None,
-        examples=iter(prompt_dataset(task, seed=spec.seed + 17)),
-        cfg=dataclasses.replace(worker_config(cfg, tok, seed=spec.seed, worker_id=spec.name),
-                                record_routes=True),
+    sampler = GroupSampler(
+        engine, task, tok, iter(prompt_dataset(task, seed=spec.seed + 17)),
+        dataclasses.replace(worker_config(cfg, tok, seed=spec.seed, worker_id=spec.name),
+                            record_routes=True),
     )
     eval_sampling = sampling_params(cfg, tok, temperature=cfg.eval.temperature)
 
@@ -204,8 +186,8 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
             graphdef, params = history[0]  # exactly `lag` versions old (or v0 early on)
             behavior_version = trainer.policy_version - (len(history) - 1)
             engine.set_model(nnx.merge(graphdef, params), behavior_version)
-            trajectories = worker.generate_groups(
-                sync=_next_version(engine, history) if cfg.rollout.partial else None)
+            trajectories = sampler.sample(
+                _next_version(engine, history) if cfg.rollout.partial else None)
             metrics = trainer.train_on(trajectories)  # lag_mean: len(history) - 1
             rewards.append(float(metrics["reward_mean"]))
             history.append(snapshot())

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from satjax.app.lag_sweep import RunSpec
+from satjax.app.sweep_spec import RunSpec
 from satjax.run_dir import RunDirs
 from satjax.utils import atomic_write
 

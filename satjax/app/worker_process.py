@@ -89,7 +89,9 @@ def main(argv: list[str]) -> int:
     task = build_task(cfg, tokenizer)
     from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
 
-    client = QueueClient(args.queue, token=token)
+    # retries=0: the worker itself retries a queue it cannot reach (rollout.queue_retry_s,
+    # one log line per try, a SIGTERM heard between tries)
+    client = QueueClient(args.queue, token=token, retries=0)
     try:
         client.wait_ready(timeout=QUEUE_WAIT_S)
     except QueueUnavailableError:

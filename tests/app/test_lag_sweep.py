@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from satjax.app.sweep_spec import RunSpec
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -67,8 +69,8 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
 def test_run_configs_take_every_override_and_their_key_follows_the_config():
     from satjax.app import lag_sweep
 
-    spec = lag_sweep.RunSpec("gspo", 2, 0)
-    sat = lag_sweep.RunSpec("sat_gspo", 2, 0)
+    spec = RunSpec("gspo", 2, 0)
+    sat = RunSpec("sat_gspo", 2, 0)
     overrides = ["eval.k=2", "objective.hparams.is_correction=tis",
                  "gspo:objective.hparams.eps_high=0.5", "sat_gspo:objective.hparams.lam=0.25"]
     cfg = lag_sweep.run_config(spec, None, overrides, "out", "warm", 7, (0.05, 0.07))

@@ -179,7 +179,7 @@ def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
     from satjax.data.pipeline import prompt_dataset
     from satjax.factory import build_model, build_task, build_tokenizer, worker_config
     from satjax.rollout.builtin_engine import BuiltinEngine
-    from satjax.rollout.worker import RolloutWorker
+    from satjax.rollout.worker import GroupSampler
     from satjax.train.trainer import Trainer
 
     assert make_small_model.main([str(tmp_path), "--dense"]) == 0
@@ -200,9 +200,9 @@ def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
     trainer = Trainer(cfg, model, tok)
     engine = BuiltinEngine("float32", pad_id=tok.pad_id)
     engine.set_model(trainer.train_state().model, 0)
-    worker = RolloutWorker(engine, task, tok, None, None, iter(prompt_dataset(task)),
+    sampler = GroupSampler(engine, task, tok, iter(prompt_dataset(task)),
                            worker_config(cfg, tok, seed=0, worker_id="dense"))
-    trajectories = worker.generate_groups()
+    trajectories = sampler.sample()
     for i, t in enumerate(trajectories):  # a reward signal, so the step moves the weights
         t.reward = float(i % 2)
     before = jax.tree.map(np.asarray, nnx.state(trainer.train_state().model, nnx.Param))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from satjax.app import sweep_report as sr
-from satjax.app.lag_sweep import RunSpec
+from satjax.app.sweep_spec import RunSpec
 from satjax.run_dir import RunDirs
 
 
@@ -106,3 +106,19 @@ def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
     assert lag1[1] == "1" and lag1[2 + names.index("router_mismatch")] == "0.300"
     assert lag1[2 + names.index("kl_k3")] == "—"  # text values are not numbers
     assert lag16[2 + names.index("kl_k3")] == "0.250"
+
+
+def test_the_report_does_not_load_the_sweep():
+    """RunSpec lives in sweep_spec: the report reads a sweep's files without importing the
+    module that runs it (which imports the report: no cycle)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, satjax.app.sweep_report; "
+            "sys.exit('satjax.app.lag_sweep' in sys.modules)")
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]

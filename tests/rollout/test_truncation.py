@@ -52,7 +52,7 @@ def _queue(tmp_path, max_seq_len):
 def test_truncated_kept_marked_and_penalised_and_refusal_stops_the_worker(tmp_path):
     # no stop token: every response runs to max_new_tokens (cut, "length")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=())
-    cfg = WorkerConfig(group_size=2, prompts_per_batch=2, worker_id="t", sampling=sampling,
+    cfg = WorkerConfig(group_size=2, prompts_per_step=2, worker_id="t", sampling=sampling,
                        overlong="penalty", overlong_buffer=0, overlong_penalty=0.5)
     server, client = _queue(tmp_path, max_seq_len=64)
     try:
@@ -72,7 +72,7 @@ def test_truncated_kept_marked_and_penalised_and_refusal_stops_the_worker(tmp_pa
     server, client = _queue(tmp_path / "small", max_seq_len=6)
     try:
         worker = _published_worker(tmp_path / "small", client,
-                                   WorkerConfig(group_size=2, prompts_per_batch=1,
+                                   WorkerConfig(group_size=2, prompts_per_step=1,
                                                 worker_id="r", sampling=sampling))
         with pytest.raises(QueueRejectedError, match=r"refused 2 of the 2 trajectories of "
                                                      r"group .*max_seq_len 6"):

@@ -252,7 +252,7 @@ def test_weight_update_worker_stamps_new_version(served):
             worker = RolloutWorker(
                 engine, task, tok, client, WeightSubscriber(root / "weights"),
                 iter(prompt_dataset(task, seed=1)),
-                WorkerConfig(group_size=2, prompts_per_batch=2, sampling=sampling,
+                WorkerConfig(group_size=2, prompts_per_step=2, sampling=sampling,
                              worker_id="vllm-test"))
             # syncs the full version in place (collective_rpc + canary check), then one batch
             assert worker.run(max_batches=1, install_signal_handlers=False) == 4

@@ -23,7 +23,7 @@ from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
 from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.rollout.engine import SamplingParams
-from satjax.rollout.worker import RolloutWorker, WorkerConfig
+from satjax.rollout.worker import GroupSampler, RolloutWorker, WorkerConfig
 from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
 
 TOKEN = "worker-test-token"
@@ -60,7 +60,7 @@ def test_builtin_worker_through_queue_with_weight_sync(tmp_path, queue):
     m0, m1 = _model(tok, 0), _model(tok, 1)
     _publish(pub, m0, 0, canary)
     engine = BuiltinEngine("float32", pad_id=tok.pad_id)
-    cfg = WorkerConfig(group_size=4, prompts_per_batch=2, worker_id="t",
+    cfg = WorkerConfig(group_size=4, prompts_per_step=2, worker_id="t",
                        sampling=SamplingParams(temperature=1.0, max_new_tokens=4,
                                                stop_token_ids=(tok.eos_id,)))
     worker = RolloutWorker(engine, task, tok, queue, WeightSubscriber(tmp_path / "weights"),
@@ -122,13 +122,13 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     model = _model(tok, 3)
     engine = BuiltinEngine("bfloat16", pad_id=tok.pad_id)
     engine.set_model(model, 0)
-    worker = RolloutWorker(
-        engine, task, tok, None, None, iter(prompt_dataset(task, seed=1)),
-        WorkerConfig(group_size=4, prompts_per_batch=8, worker_id="mm",
+    sampler = GroupSampler(
+        engine, task, tok, iter(prompt_dataset(task, seed=1)),
+        WorkerConfig(group_size=4, prompts_per_step=8, worker_id="mm",
                      sampling=SamplingParams(temperature=1.0, max_new_tokens=6,
                                              stop_token_ids=(tok.eos_id,))),
     )
-    trajectories = worker.generate_groups()
+    trajectories = sampler.sample()
     L, k = len(model.config.moe_layer_indices), model.config.num_experts_per_tok
     batch = make_batch(trajectories, buckets=(32,), pad_id=tok.pad_id, num_layers_moe=L, top_k=k)
     batch = jax.tree.map(jnp.asarray, batch)
@@ -150,6 +150,23 @@ def test_bf16_engine_vs_fp32_trainer_mismatch_and_replay():
     assert on["router_mismatch_applied"] == 0.0  # replay: the trainer uses the engine's experts
     assert on["router_mismatch"] == off["router_mismatch"]  # the router itself is unchanged
     assert 0 < off["kl_k3"] < 0.1 and 0 <= on["kl_k3"] < 0.1
+
+
+def test_worker_config_defaults_are_the_rollout_keys_defaults():
+    """A WorkerConfig made without a run's config samples as a default run's worker does
+    (each default is written once, in satjax.config)."""
+    import dataclasses
+
+    from satjax.config import load_config
+    from satjax.factory import worker_config
+
+    tok = CharTokenizer()
+    made = worker_config(load_config(None), tok, seed=0, worker_id="w0")
+    keys = ("group_size", "prompts_per_step", "record_routes", "partial", "queue_retry_s",
+            "overlong", "overlong_buffer", "overlong_penalty")
+    assert {k: getattr(WorkerConfig(), k) for k in keys} == {
+        k: getattr(made, k) for k in keys}
+    assert {f.name for f in dataclasses.fields(WorkerConfig)} >= set(keys)
 
 
 def test_make_engine_builds_the_configured_engine():
@@ -182,7 +199,7 @@ def test_each_group_is_its_own_put(tmp_path, queue):
             puts.append(sorted({t.group_id for t in trajectories}))
             return queue.put(trajectories)
 
-    cfg = WorkerConfig(group_size=4, prompts_per_batch=3, worker_id="g",
+    cfg = WorkerConfig(group_size=4, prompts_per_step=3, worker_id="g",
                        sampling=SamplingParams(max_new_tokens=3, stop_token_ids=(tok.eos_id,)))
     worker = RolloutWorker(BuiltinEngine("float32", pad_id=tok.pad_id), task, tok,
                            RecordingClient(), WeightSubscriber(tmp_path / "weights"),
