@@ -22,11 +22,11 @@ from pathlib import Path
 
 from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
-from satjax.factory import build_task, build_tokenizer, worker_config
+from satjax.factory import build_task, build_tokenizer, model_config, worker_config
 from satjax.rollout.factory import make_engine
 from satjax.rollout.worker import QueueRejectedError, RolloutWorker
 from satjax.run_dir import weights_config
-from satjax.weight_sync import WeightSubscriber
+from satjax.weight_sync import WeightSubscriber, WeightSyncError
 
 # How long a worker started before the trainer waits for the trainer's run_config.yaml.
 CONFIG_WAIT_S = 600.0
@@ -102,15 +102,16 @@ def main(argv: list[str]) -> int:
     worker = RolloutWorker(
         make_engine(cfg.rollout, tokenizer, args.log_dir, seed=cfg.seed),
         task, tokenizer, client,
-        WeightSubscriber(args.weights),
+        WeightSubscriber(args.weights,
+                         architecture=model_config(cfg, tokenizer).architecture()),
         iter(prompt_dataset(task, seed=seed)),
         worker_config(cfg, tokenizer, seed=seed, worker_id=f"w{wid}"),
     )
     try:
         n = worker.run(max_batches=args.max_batches)
-    except (QueueError, QueueRejectedError) as e:
-        # the queue went away (stopped before this worker) or refuses what it makes: one
-        # line saying so, not a traceback
+    except (QueueError, QueueRejectedError, WeightSyncError) as e:
+        # the queue went away (stopped before this worker) or refuses what it makes, or the
+        # trainer published weights this worker must not serve: one line, not a traceback
         log.error("worker %s stopped after %d trajectories: %s", wid, worker.produced, e)
         return 1
     log.info("worker %s stopped after %d trajectories", wid, n)

@@ -26,10 +26,11 @@ drives it directly, with the engine's weights set by hand.
 
 With ``partial`` (``rollout.partial``) a batch is not bound to one version: between two
 segments of its decode the worker loads the version the trainer wants, and the engine goes
-on with it (the built-in sampler from its KV cache). Each token then carries the version
-that sampled it (``Trajectory.token_versions``, with its log-prob and its routes from that
-version), and ``policy_version`` is the oldest token's, so the queue's lag rule and
-``max_lag`` apply to the oldest token without any change on the queue's side.
+on with it (the built-in sampler from its KV cache; vLLM from the prompt + prefix it is
+given again). Each token then carries the version that sampled it
+(``Trajectory.token_versions``, with its log-prob and its routes from that version), and
+``policy_version`` is the oldest token's, so the queue's lag rule and ``max_lag`` apply
+to the oldest token without any change on the queue's side.
 
 Responses cut at ``max_new_tokens`` are kept (``finish_reason`` "length",
 ``Trajectory.truncated``), with DAPO's overlong penalty added to their reward when
@@ -274,6 +275,8 @@ class RolloutWorker:
                     return False
         self._served = None  # until the engine holds a whole, checked version again
         if not steps[0].is_delta:
+            # weights of another model (another run's, another shape) are never served
+            self.subscriber.check_architecture(steps[0])
             self.engine.load(steps[0].path, steps[0].version)
         deltas = [s.path for s in steps if s.is_delta]
         if deltas:
