@@ -173,7 +173,7 @@ def test_an_unreachable_queue_is_retried_for_queue_retry_s_then_one_line(tmp_pat
     waits = [float(r.getMessage().split("retrying in ")[1].split(" s")[0])
              for r in caplog.records]
     assert waits[:2] == [0.5, 1.0] and len(waits) in (2, 3) and client.calls == len(waits) + 1
-    assert all(w <= 0.1 for w in waits[2:]) and 1.6 <= took < 3.0
+    assert all(w <= 0.1 for w in waits[2:]) and 1.6 <= took < 6.0  # loaded machines: slack
     message = str(e.value)
     assert "\n" not in message and message.startswith(
         "queue at 10.0.0.9:50051 unreachable for 1.6 s (rollout.queue_retry_s), giving up")
@@ -183,13 +183,21 @@ def test_an_unreachable_queue_is_retried_for_queue_retry_s_then_one_line(tmp_pat
 def test_sigterm_during_the_backoff_stops_the_worker_at_once(tmp_path):
     client = _DownClient()
     worker = _down_worker(tmp_path, client, queue_retry_s=300.0)
-    timer = threading.Timer(1.0, worker.stop_event.set)  # what the SIGTERM handler does
-    timer.start()
-    t0 = time.monotonic()
+    stopped = []
+    put = client.put
+
+    def put_then_stop(group):
+        if client.calls == 1:  # the second try fails next, then a 1 s wait: stop inside it
+            def stop():
+                stopped.append(time.monotonic())
+                worker.stop_event.set()  # what the SIGTERM handler does
+            threading.Timer(0.2, stop).start()
+        return put(group)
+
+    client.put = put_then_stop
     assert worker.run(max_batches=1, install_signal_handlers=False) == 0
-    # stopped within the 1 s wait that the stop arrived in (tries at 0, 0.5 s; then 1 s)
-    assert time.monotonic() - t0 < 1.5 and client.calls == 2
-    timer.join()
+    # the 1 s wait after the second try ended with the stop, not after it
+    assert client.calls == 2 and time.monotonic() - stopped[0] < 0.5
 
 
 def test_a_refused_group_stops_the_worker_without_retrying(tmp_path):
