@@ -4,7 +4,9 @@ fetched but never trained on is delivered again to the next trainer. The step is
 the devices busy, the host free, as while a jitted step runs."""
 
 import collections
+import ctypes
 import dataclasses
+import platform
 import threading
 import time
 import weakref
@@ -294,6 +296,12 @@ def test_split_uniform_groups_keeps_order():
 
 
 def _rss_bytes() -> int:
+    """Resident bytes of this process, after glibc returns the free memory of every malloc
+    arena to the kernel (``malloc_trim``): what is measured is what is still allocated, not
+    how the gRPC threads' arenas happen to be fragmented (without it the growth of a
+    leak-free run varied from 0 to 140 MB between runs)."""
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
