@@ -201,6 +201,13 @@ def _recipe(doc: Path, heading: str) -> str:
     return text[text.index(heading):].split("```bash\n", 1)[1].split("```", 1)[0]
 
 
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # gone meanwhile
+        return ""
+
+
 @pytest.mark.slow
 def test_the_localhost_recipe_runs_end_to_end(tmp_path):
     """docs/parallel.md's localhost recipe, as written but for the port, the directory and
@@ -216,13 +223,25 @@ def test_the_localhost_recipe_runs_end_to_end(tmp_path):
     script = (block.replace("50051", str(port)).replace("runs/remote", str(tmp_path / "remote"))
               .replace("--set rollout.num_workers=0\n", "--set rollout.num_workers=0 "
                        "--set train.steps=2 --set sft.steps=2 --no-progress\n"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    # `satjax` as installed: this checkout's, an executable on PATH (a shell function that
+    # exec'd would replace the script's shell at `satjax train`, and the recipe's last
+    # lines, which stop the workers and the queue, would never run)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "satjax").write_text(f'#!/bin/sh\nexec {sys.executable} -m satjax "$@"\n')
+    (bin_dir / "satjax").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     env.pop("XLA_FLAGS", None)
     env.pop("SATJAX_QUEUE_TOKEN", None)
-    # `satjax` as installed: this checkout's
-    shim = f'satjax() {{ exec {sys.executable} -m satjax "$@"; }}\n'
-    r = subprocess.run(["bash", "-c", shim + script], env=env, cwd=tmp_path,
+    r = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=900)
+    # the recipe stopped what it started: no process of it is left
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+            and str(tmp_path) in _cmdline(p)]
+    for p in left:  # never leave them running, even when the assertion below fails
+        os.kill(int(p.name), signal.SIGKILL)
+    assert not left, [_cmdline(p) for p in left]
     logs = tmp_path / "remote" / "logs"
     texts = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     assert r.returncode == 0, (r.stderr[-3000:], {k: v[-2000:] for k, v in texts.items()})
