@@ -111,6 +111,9 @@ class TaskConfig:
     max_digits: int = 1
     # sort/reverse only: reward "exact" (1 if the whole string is right) or "per_position"
     scoring: Literal["exact", "per_position"] = "exact"
+    # sort/reverse only: written between the digits of prompt and answer (e.g. ","), so
+    # 16 digits make 32-token answers; per_position then scores the digits
+    separator: str = ""
     ops: tuple[Literal["+", "-", "*"], ...] = ("+",)
     jsonl_path: str = ""  # the training rows: a JSONL or Parquet file, or a datasets directory
     # local HF tokenizer dir; empty: model.path if it holds one, else the char tokenizer
@@ -475,6 +478,10 @@ def _check_values(cfg: Config) -> None:
     need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
     need(cfg.task.scoring == "exact" or cfg.task.name in ("sort", "reverse"), "task.scoring",
          "'exact' unless task.name is 'sort' or 'reverse'")
+    need(not cfg.task.separator or cfg.task.name in ("sort", "reverse"), "task.separator",
+         "empty unless task.name is 'sort' or 'reverse'")
+    need(not any(c.isdigit() or c in "=\n" for c in cfg.task.separator), "task.separator",
+         "free of digits, '=' and newlines")
     need(cfg.model.preset != "" or bool(cfg.model.path) or bool(cfg.model.overrides),
          "model.path", "set when model.preset is '' and model.overrides does not give the "
          "architecture")

@@ -58,7 +58,7 @@ def build_task(cfg: Config, tokenizer):
         builtin = ArithmeticTask(min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops,
                                  seed=cfg.seed) if t.name == "arithmetic" else \
             DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
-                            scoring=t.scoring, seed=cfg.seed)
+                            scoring=t.scoring, separator=t.separator, seed=cfg.seed)
         return RescoredTask(builtin, checked_reward(t.reward)) if t.reward else builtin
     fmt = prompt_format(cfg)
 

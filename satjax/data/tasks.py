@@ -91,14 +91,18 @@ class DigitStringTask:
 
     ``scoring="exact"`` scores 1 for the whole string right, else 0; ``"per_position"``
     scores the fraction of positions right (:func:`per_position_reward`), a denser signal
-    that a small policy can climb one digit at a time. Examples are pure functions of
-    ``(seed, split, index)``, as :class:`ArithmeticTask`'s.
+    that a small policy can climb one digit at a time. A ``separator`` (e.g. ``","``) is
+    written between the digits of prompt and answer, ``sort:3,1,2=`` -> ``1,2,3``: 16
+    digits make a 31-character answer (32 tokens with EOS), long enough for the sequence
+    ratio to average many tokens; per-position scoring then counts digits, not separators.
+    Examples are pure functions of ``(seed, split, index)``, as :class:`ArithmeticTask`'s.
     """
 
     op: str = "sort"
     min_digits: int = 6
     max_digits: int = 6
     scoring: str = "exact"
+    separator: str = ""
     seed: int = 0
     size: int = 100_000
 
@@ -113,30 +117,39 @@ class DigitStringTask:
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring: must be one of {SCORINGS}, "
                              f"got {self.scoring!r}")
+        if any(c.isdigit() or c in "=\n" for c in self.separator):
+            raise ValueError(f"separator: must not hold a digit, '=' or a newline, "
+                             f"got {self.separator!r}")
 
     def example(self, index: int, split: str = "train") -> Example:
         if split not in SPLITS:
             raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
         rng = np.random.default_rng((self.seed, SPLITS.index(split), int(index)))
         n = int(rng.integers(self.min_digits, self.max_digits + 1))
-        digits = "".join(str(int(d)) for d in rng.integers(0, 10, size=n))
-        answer = "".join(sorted(digits)) if self.op == "sort" else digits[::-1]
-        return Example(prompt_id=f"{split}-{index}", prompt=f"{self.op}:{digits}=",
-                       answer=answer)
+        digits = [str(int(d)) for d in rng.integers(0, 10, size=n)]
+        answer = sorted(digits) if self.op == "sort" else digits[::-1]
+        sep = self.separator
+        return Example(prompt_id=f"{split}-{index}", prompt=f"{self.op}:{sep.join(digits)}=",
+                       answer=sep.join(answer))
 
     def reward(self, response: str, example: Example) -> float:
         if self.scoring == "exact":
             return exact_match_reward(response, example.answer)
-        return per_position_reward(response, example.answer)
+        return per_position_reward(response, example.answer, self.separator)
 
 
-def per_position_reward(response: str, answer: str) -> float:
+def per_position_reward(response: str, answer: str, separator: str = "") -> float:
     """Fraction of positions where the response (first line, stripped) matches ``answer``.
 
     ``sum_i [response_i == answer_i] / max(len(response), len(answer))``: a missing or an
-    extra character costs one position each, so only the exact answer scores 1.0.
+    extra item costs one position each, so only the exact answer scores 1.0. The items are
+    characters, or with a ``separator`` the pieces between separators (the digits).
     """
-    got, want = response.split("\n", 1)[0].strip(), answer.strip()
+    got_text, want_text = response.split("\n", 1)[0].strip(), answer.strip()
+    got: Sequence[str] = got_text
+    want: Sequence[str] = want_text
+    if separator:
+        got, want = got_text.split(separator) if got_text else [], want_text.split(separator)
     n = max(len(got), len(want))
     if n == 0:
         return 1.0

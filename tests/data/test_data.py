@@ -79,6 +79,28 @@ def test_digit_string_rewards():
         DigitStringTask(scoring="partial")
 
 
+def test_separated_digits_make_long_answers_scored_per_digit():
+    task = DigitStringTask(op="sort", min_digits=16, max_digits=16, separator=",",
+                           scoring="per_position")
+    ex = task.example(3)
+    digits = ex.prompt.removeprefix("sort:").removesuffix("=").split(",")
+    assert len(digits) == 16 and all(len(d) == 1 and d.isdigit() for d in digits)
+    assert ex.answer == ",".join(sorted(digits)) and len(ex.answer) == 31
+    assert task.reward(ex.answer, ex) == 1.0
+    # one digit wrong costs 1/16 (the separators are not positions); a dropped digit
+    # shifts the rest, and only what still lines up counts
+    wrong = ex.answer[:-1] + str((int(ex.answer[-1]) + 1) % 10)
+    assert task.reward(wrong, ex) == pytest.approx(15 / 16)
+    assert per_position_reward("1,2,4", "1,2,3,4", ",") == pytest.approx(2 / 4)
+    assert per_position_reward("", "1,2", ",") == 0.0
+    assert per_position_reward("1,2,3", "1,2", ",") == pytest.approx(2 / 3)
+    reverse = DigitStringTask(op="reverse", min_digits=4, max_digits=4, separator=" ")
+    ex = reverse.example(0)
+    assert ex.answer == " ".join(ex.prompt[len("reverse:"):-1].split(" ")[::-1])
+    with pytest.raises(ValueError, match="separator"):
+        DigitStringTask(separator="1")
+
+
 def test_pipeline_resumes_from_iterator_state():
     task = ArithmeticTask(seed=1, size=50)
     it = iter(prompt_dataset(task, seed=3))
