@@ -17,8 +17,10 @@ sweep loses nothing; a changed setting re-runs it),
 ``sweep.json`` (the sweep's settings, the warm-up's score, the versions), ``jax_cache/``
 (JAX's persistent compilation cache, shared by the runs: they compile the same programs,
 so only a variant's first run pays for compiling them). ``--selection``
-runs GSPO alone at the smallest and largest lag and writes ``selection.md``: the phase
-that picks the test bed's settings before any other objective is run.
+runs GSPO alone at the smallest and largest lag, and SAT-GSPO at the largest for a
+mechanism check that reads no score (its newly clipped share), and writes
+``selection.md``: the phase that picks the test bed's settings before any other
+objective's score is seen.
 """
 
 from __future__ import annotations
@@ -41,22 +43,33 @@ from satjax.app.sweep_spec import RunSpec
 from satjax.utils import versions_line
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # name: objective, routing replay (R3), whether the clip radius is sequence-level (GSPO
-    # family). The SAT paper's rows plus PPO-clip and DPPO-Binary-TV; SAT-GRPO is the
-    # token-level SAT clip (`sat_ppo`: GRPO's token ratios with SAT's per-token interval;
-    # it averages tokens over the batch where GRPO averages within each sequence first,
-    # the same here where every answer has the same length).
-    "ppo_clip": {"objective": "ppo_clip", "replay": False, "sequence_level": False},
-    "grpo": {"objective": "grpo", "replay": False, "sequence_level": False},
-    "gspo": {"objective": "gspo", "replay": False, "sequence_level": True},
-    "sat_gspo": {"objective": "sat_gspo", "replay": False, "sequence_level": True},
-    "gspo_r3": {"objective": "gspo", "replay": True, "sequence_level": True},
-    "sat_grpo_r3": {"objective": "sat_ppo", "replay": True, "sequence_level": False},
-    "sat_gspo_r3": {"objective": "sat_gspo", "replay": True, "sequence_level": True},
+    # name: objective, routing replay (train.replay: off, experts = R3, gates), whether the
+    # clip radius is sequence-level (GSPO family), whether the lag is bounded by measured
+    # mismatch. The SAT paper's rows plus PPO-clip, DPPO-Binary-TV and two of satjax's own:
+    # gate replay and the mismatch-bounded lag. SAT-GRPO is the token-level SAT clip
+    # (`sat_ppo`: GRPO's token ratios with SAT's per-token interval; it averages tokens over
+    # the batch where GRPO averages within each sequence first, the same where every
+    # answer has the same length).
+    "ppo_clip": {"objective": "ppo_clip", "replay": "off", "sequence_level": False},
+    "grpo": {"objective": "grpo", "replay": "off", "sequence_level": False},
+    "gspo": {"objective": "gspo", "replay": "off", "sequence_level": True},
+    "sat_gspo": {"objective": "sat_gspo", "replay": "off", "sequence_level": True},
+    "gspo_r3": {"objective": "gspo", "replay": "experts", "sequence_level": True},
+    "sat_grpo_r3": {"objective": "sat_ppo", "replay": "experts", "sequence_level": False},
+    "sat_gspo_r3": {"objective": "sat_gspo", "replay": "experts", "sequence_level": True},
     # DPPO at its own thresholds (no ratio clip, so --seq-eps does not apply)
-    "dppo_tv": {"objective": "dppo_tv", "replay": False, "sequence_level": False},
+    "dppo_tv": {"objective": "dppo_tv", "replay": "off", "sequence_level": False},
+    # SAT-GSPO replaying the engine's experts and gate weights (train.replay=gates)
+    "sat_gspo_gates": {"objective": "sat_gspo", "replay": "gates", "sequence_level": True},
+    # GSPO whose lag is lowered while the measured mismatch is over train.mismatch_target
+    # (set it: --set gspo_bounded:train.mismatch_target=X): the lag is at most --lags'
+    "gspo_bounded": {"objective": "gspo", "replay": "off", "sequence_level": True,
+                     "bounded": True},
 }
-SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective alone
+SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective's scores alone
+# ... and one mechanism check that reads no score: this objective's newly clipped share at
+# the largest lag (sweep_report.MECHANISM_MIN_NEWLY_CLIPPED)
+MECHANISM_VARIANT = "sat_gspo"
 SWEEP_FILE = "sweep.json"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
 
@@ -64,8 +77,8 @@ VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """``--set`` values -> (for every run, {variant: for that variant's runs only}).
 
-    ``KEY=VALUE`` applies to every run; ``VARIANT:KEY=VALUE`` (e.g.
-    ``gspo:objective.hparams.eps_low=1e-3``) only to that variant's runs, for settings
+    ``KEY=VALUE`` applies to every run; ``VARIANT[,VARIANT...]:KEY=VALUE`` (e.g.
+    ``gspo:objective.hparams.eps_low=1e-3``) only to those variants' runs, for settings
     that one objective has and another lacks.
     """
     common: list[str] = []
@@ -73,10 +86,11 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
     for item in overrides:
         head, sep, rest = item.partition(":")
         if sep and "=" not in head:
-            if head not in VARIANTS:
-                raise ValueError(f"--set {item!r}: {head!r} must be one of "
-                                 f"{', '.join(VARIANTS)}")
-            per_variant.setdefault(head, []).append(rest)
+            for name in head.split(","):
+                if name not in VARIANTS:
+                    raise ValueError(f"--set {item!r}: {name!r} must be one of "
+                                     f"{', '.join(VARIANTS)}")
+                per_variant.setdefault(name, []).append(rest)
         else:
             common.append(item)
     if any(o.split("=", 1)[0].strip() == "objective.name" for o in common):
@@ -95,7 +109,7 @@ def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out
     common, per_variant = split_overrides(overrides)
     objective = [o for o in common if o.startswith("objective.")]
     variant = VARIANTS[spec.variant]
-    return load_config(base_config, [
+    cfg = load_config(base_config, [
         *(o for o in common if not o.startswith("objective.")),
         f"run_dir={spec.run_dir(out)}", f"seed={spec.seed}", f"model.path={warmup_dir}",
         f"objective.name={variant['objective']}", f"train.replay={variant['replay']}",
@@ -105,6 +119,10 @@ def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out
           if seq_eps and variant["sequence_level"] else []),
         *objective, *per_variant.get(spec.variant, []),
     ])
+    if variant.get("bounded") and cfg.train.mismatch_target is None:
+        raise ValueError(f"the lag is bounded by measured mismatch: set its target, --set "
+                         f"{spec.variant}:train.mismatch_target=X")
+    return cfg
 
 
 def run_key(cfg, eval_every: int, warmup: dict[str, Any]) -> str:
@@ -183,12 +201,13 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     curve, rewards = [], []
     with MetricsLogger(RunDirs(run_dir).logs, tensorboard=False) as mlog:
         for step in range(steps):
-            graphdef, params = history[0]  # exactly `lag` versions old (or v0 early on)
-            behavior_version = trainer.policy_version - (len(history) - 1)
-            engine.set_model(nnx.merge(graphdef, params), behavior_version)
+            # exactly `lag` versions old (or v0 early on); under train.mismatch_target, the
+            # lag its controller admits now (train.max_lag is `lag`, so never more)
+            lag = min(trainer.lag_limit, len(history) - 1)
+            engine.set_model(nnx.merge(*history[-1 - lag]), trainer.policy_version - lag)
             trajectories = sampler.sample(
-                _next_version(engine, history) if cfg.rollout.partial else None)
-            metrics = trainer.train_on(trajectories)  # lag_mean: len(history) - 1
+                _next_version(engine, history, lag) if cfg.rollout.partial else None)
+            metrics = trainer.train_on(trajectories)  # lag_mean: `lag`
             rewards.append(float(metrics["reward_mean"]))
             history.append(snapshot())
             if (step + 1) % eval_every == 0 or step + 1 == steps:
@@ -209,19 +228,19 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     return result
 
 
-def _next_version(engine, history: collections.deque):
+def _next_version(engine, history: collections.deque, lag: int):
     """The engine's sync of a partial-rollout batch: after the first decode segment it
-    moves the engine to the version after the one it serves (``history[1]``, when there is
-    one), once."""
+    moves the engine, which serves the version ``lag`` behind the newest, to the version
+    after it (``history[-lag]``, when there is one), once."""
     moved: list[bool] = []
 
     def sync() -> bool:
-        if moved or len(history) < 2:
+        if moved or lag < 1:
             return False
         from flax import nnx
 
         moved.append(True)
-        engine.set_model(nnx.merge(*history[1]), engine.version + 1)
+        engine.set_model(nnx.merge(*history[-lag]), engine.version + 1)
         return True
 
     return sync
@@ -238,7 +257,7 @@ def main(argv: list[str]) -> int:
     default_eps = ObjectiveConfig().hparams  # the tiny task's radius, as `satjax train` uses
     p = argparse.ArgumentParser(
         prog="satjax lag-sweep", description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="--set KEY=VALUE applies to every run, --set VARIANT:KEY=VALUE (e.g. "
+        epilog="--set KEY=VALUE applies to every run, --set VARIANT[,VARIANT]:KEY=VALUE (e.g. "
                "gspo:objective.hparams.eps_low=1e-3) to one variant's runs; objective.* "
                "overrides apply over each objective's own defaults. A finished run is reused "
                "only if its full config is unchanged.")
@@ -270,10 +289,11 @@ def main(argv: list[str]) -> int:
                         "tiny task's, sized for 2-3 token answers; 'own' keeps each "
                         "objective's default, the paper's 3e-4,4e-4 for ~1000-token answers)")
     p.add_argument("--selection", action="store_true",
-                   help=f"the selection phase: {SELECTION_VARIANT} only, at the smallest and "
-                        "the largest of --lags, plus selection.md saying whether its score "
-                        "drops by more than 2 standard errors (pick settings with this "
-                        "before running the other objectives)")
+                   help=f"the selection phase: {SELECTION_VARIANT} at the smallest and the "
+                        "largest of --lags, plus selection.md saying whether its score drops "
+                        "by more than 2 standard errors; and a mechanism check that reads no "
+                        f"score: {MECHANISM_VARIANT}'s newly clipped share at the largest lag "
+                        "(pick settings with this before running the other objectives)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.selection and args.variants is not None:
@@ -295,11 +315,13 @@ def main(argv: list[str]) -> int:
         p.error("--lags must be >= 0; --steps, --eval-every and --jobs >= 1")
     if args.selection:
         variants, lags = [SELECTION_VARIANT], sorted({min(lags), max(lags)})
+    specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
+    if args.selection:  # the mechanism check: SAT-GSPO at the largest lag, no score read
+        specs += [RunSpec(MECHANISM_VARIANT, max(lags), s) for s in seeds]
     out = Path(args.out)
     compile_cache = (None if args.compile_cache == "none"
                      else str((Path(args.compile_cache) if args.compile_cache
                                else out / "jax_cache").absolute()))
-    specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
     from satjax.app.commands import check_resources
     from satjax.app.run import sft_settings
     from satjax.run_dir import RunDirs
@@ -358,7 +380,8 @@ def main(argv: list[str]) -> int:
                        f"({res['seconds']:.0f}s)")
     results = [json.loads(s.result_path(out).read_text()) for s in specs]
     if args.selection:  # its own files: a full sweep's report in the same --out stays
-        print(write_selection(results, out, lags, warmup_avg_at_k=warmup_score), end="")
+        print(write_selection(results, out, lags, warmup_avg_at_k=warmup_score,
+                              mechanism=MECHANISM_VARIANT), end="")
         wrote = f"{out / 'selection.md'}"
     else:
         write_csv_table_plots(results, out, lags, warmup_avg_at_k=warmup_score)

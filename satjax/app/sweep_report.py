@@ -28,9 +28,15 @@ from satjax.utils import atomic_write
 SMOOTH_WINDOW = 10  # steps: a batch of 8 prompts gives a very noisy per-step reward
 COLLAPSE_FRACTION = 0.5
 BOOTSTRAP_RESAMPLES = 10_000
+# the selection's mechanism check: SAT must newly clip at least this share of tokens at the
+# largest lag (mean over steps and seeds), or there is nothing for it to change
+MECHANISM_MIN_NEWLY_CLIPPED = 0.02
 CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
                "reward_peak", "reward_final", "collapsed")
 # per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
+# SAT's own per-step statistics, tabulated per lag for every objective that logs them
+SAT_STATISTICS = ("sat_tail_frac", "sat_newly_clipped_frac", "sat_mean_lo_radius",
+                  "sat_mean_hi_radius")
 DIAGNOSTICS = (("router_mismatch", "router flips"), ("router_mismatch_applied", "applied flips"),
                ("sat_tail_frac", "SAT tail"), ("sat_newly_clipped_frac", "SAT newly clipped"),
                ("clip_frac_low", "clipped low"), ("clip_frac_high", "clipped high"),
@@ -128,7 +134,8 @@ def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[i
     atomic_write(out / "results.csv", "\n".join(lines) + "\n")
     metrics = run_metrics(results, out)  # read once: the diagnostics table and the plots
     atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k) + "\n"
-                 + diagnostics_markdown(results, metrics, lags))
+                 + diagnostics_markdown(results, metrics, lags) + "\n"
+                 + sat_markdown(results, metrics, lags))
     _plots(results, metrics, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
 
 
@@ -148,22 +155,8 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
     for v in variants:
         text.append(f"| {v} | " + " | ".join(
             _fmt_ci(*mean_ci(list(by[(v, lag)].values()))) for lag in lags) + " |")
-    d = drops(results, lo, hi)
-    text += ["", f"Drop lag {lo} -> lag {hi} (score at lag {lo} minus lag {hi}, per seed; "
-             "positive: staleness hurts), and its difference from GSPO's drop with a paired "
-             "bootstrap 95% interval (negative: degrades less than GSPO):", "",
-             "| objective | drop [95% t-interval] | minus GSPO's drop [95% bootstrap] |",
-             "|---|---|---|"]
-    for v in variants:
-        m, h = mean_ci(d[v])
-        cell = f"{m:+.3f}" if np.isnan(h) else f"{m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]"
-        if v == "gspo" or "gspo" not in d or len(d[v]) < 2 or len(d[v]) != len(d["gspo"]):
-            cmp = "—"
-        else:
-            dm, blo, bhi = paired_bootstrap_ci(d[v], d["gspo"])
-            sep = " (separates)" if blo > 0 or bhi < 0 else ""
-            cmp = f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}"
-        text.append(f"| {v} | {cell} | {cmp} |")
+    for hi in [lag for lag in lags if lag != lo]:
+        text += ["", *drop_markdown(results, lo, hi)]
     n_collapsed: dict[tuple[str, int], int] = defaultdict(int)
     n_runs: dict[tuple[str, int], int] = defaultdict(int)
     for r in results:
@@ -177,6 +170,56 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
         cells = [f"{n_collapsed[(v, lag)]}/{n_runs[(v, lag)]}" for lag in lags]
         total = sum(n_collapsed[(v, lag)] for lag in lags)
         text.append(f"| {v} | " + " | ".join(cells) + f" | {total} |")
+    return "\n".join(text) + "\n"
+
+
+def drop_markdown(results: list[dict[str, Any]], lo: int, hi: int) -> list[str]:
+    """The drop table from lag ``lo`` to ``hi``, with each drop's paired bootstrap
+    difference from GSPO's (lines of markdown)."""
+    d = drops(results, lo, hi)
+    text = [f"Drop lag {lo} -> lag {hi} (score at lag {lo} minus lag {hi}, per seed; "
+            "positive: staleness hurts), and its difference from GSPO's drop with a paired "
+            "bootstrap 95% interval (negative: degrades less than GSPO):", "",
+            "| objective | drop [95% t-interval] | minus GSPO's drop [95% bootstrap] |",
+            "|---|---|---|"]
+    for v, dv in d.items():
+        m, h = mean_ci(dv)
+        cell = f"{m:+.3f}" if np.isnan(h) else f"{m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]"
+        if v == "gspo" or "gspo" not in d or len(dv) < 2 or len(dv) != len(d["gspo"]):
+            cmp = "—"
+        else:
+            dm, blo, bhi = paired_bootstrap_ci(dv, d["gspo"])
+            sep = " (separates)" if blo > 0 or bhi < 0 else ""
+            cmp = f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}"
+        text.append(f"| {v} | {cell} | {cmp} |")
+    return text
+
+
+def sat_markdown(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, Any]]],
+                 lags: list[int]) -> str:
+    """SAT's own statistics per objective and lag (:data:`SAT_STATISTICS`, each averaged
+    over a run's steps, then over seeds), for the objectives that narrow (a nonzero tail)."""
+    cell: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        rows = metrics[(r["variant"], r["lag"], r["seed"])]
+        for name in SAT_STATISTICS:
+            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
+            if xs:
+                cell[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
+    sat = [v for v in dict.fromkeys(r["variant"] for r in results)
+           if any(np.mean(cell[(v, lag)]["sat_tail_frac"] or [0.0]) > 0 for lag in lags)]
+    text = ["SAT's own statistics, each per-step value averaged over a run's steps, then over "
+            "the seeds (tail: the share of units, tokens or sequences by the proxy, whose "
+            "interval SAT narrows; newly clipped: the share of tokens clipped by SAT's interval "
+            "but not by the base one; radii: the mean 1 - lo and hi - 1):", "",
+            "| objective | lag | tail | newly clipped | mean low radius | mean high radius |",
+            "|---|---|---|---|---|---|"]
+    for v in sat:
+        for lag in lags:
+            c = cell[(v, lag)]
+            text.append(f"| {v} | {lag} | " + " | ".join(
+                (f"{np.mean(c[n]):.2e}" if "radius" in n else f"{np.mean(c[n]):.2%}")
+                if c[n] else "—" for n in SAT_STATISTICS) + " |")
     return "\n".join(text) + "\n"
 
 
@@ -210,10 +253,33 @@ def selection_summary(results: list[dict[str, Any]], lags: list[int],
             "degrades": bool(drop > 2 * se), "collapsed": collapsed, **learns}
 
 
+def mechanism_check(results: list[dict[str, Any]], out: Path, variant: str) -> dict[str, Any]:
+    """``variant``'s SAT statistics at its largest lag, from the runs' per-step metrics (no
+    score is read): the newly clipped share, the tail share, the mean radii (each averaged
+    over a run's steps, then over seeds), and whether the newly clipped share reaches
+    :data:`MECHANISM_MIN_NEWLY_CLIPPED`."""
+    runs = [r for r in results if r["variant"] == variant]
+    if not runs:
+        raise ValueError(f"mechanism check: no {variant} runs")
+    lag = max(r["lag"] for r in runs)
+    metrics = run_metrics([r for r in runs if r["lag"] == lag], out)
+    stats = {name: float(np.mean([np.mean([m[name] for m in rows if name in m])
+                                  for rows in metrics.values()]))
+             for name in SAT_STATISTICS}
+    return {"variant": variant, "lag": lag, "n": len(metrics), **stats,
+            "acts": bool(stats["sat_newly_clipped_frac"] >= MECHANISM_MIN_NEWLY_CLIPPED)}
+
+
 def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *,
-                    warmup_avg_at_k: float | None = None) -> str:
-    """Writes ``selection.md`` (the verdict, then the report of these runs) and
-    ``selection.json`` in ``out``; returns the verdict line."""
+                    warmup_avg_at_k: float | None = None, mechanism: str | None = None) -> str:
+    """Writes ``selection.md`` (the verdict, then the report of the selection objective's
+    runs) and ``selection.json`` in ``out``; returns the verdict. With ``mechanism``, the
+    runs of that variant are the mechanism check (:func:`mechanism_check`): its SAT
+    statistics are reported, never its score."""
+    mech = None
+    if mechanism is not None:
+        mech = mechanism_check(results, out, mechanism)
+        results = [r for r in results if r["variant"] != mechanism]
     s = selection_summary(results, lags, warmup_avg_at_k)
 
     def yes(flag: bool) -> str:
@@ -229,6 +295,13 @@ def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *
             f"drop > 2 SE: {yes(s['degrades'])}; {learns}collapsed runs: "
             f"{s['collapsed'][s['lag_lo']]} at lag {s['lag_lo']}, "
             f"{s['collapsed'][s['lag_hi']]} at lag {s['lag_hi']}.\n")
+    if mech is not None:
+        text += (f"Mechanism ({mech['variant']}, lag {mech['lag']}, n={mech['n']}, no score "
+                 f"read): newly clipped {mech['sat_newly_clipped_frac']:.2%} of tokens, tail "
+                 f"{mech['sat_tail_frac']:.2%}, mean radii low {mech['sat_mean_lo_radius']:.2e}"
+                 f" high {mech['sat_mean_hi_radius']:.2e}; newly clipped >= "
+                 f"{MECHANISM_MIN_NEWLY_CLIPPED:.0%}: {yes(mech['acts'])}.\n")
+        s = {**s, "mechanism": mech}
     atomic_write(Path(out) / "selection.json", json.dumps(s, indent=1))
     report = results_markdown(results, sorted({s["lag_lo"], s["lag_hi"]}), warmup_avg_at_k)
     atomic_write(Path(out) / "selection.md", text + "\n" + report)

@@ -89,6 +89,21 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
     assert len(changed) == 3 and key not in changed
     with pytest.raises(ValueError, match="objective.name"):
         lag_sweep.run_config(spec, None, ["objective.name=grpo"], "out", "warm", 7, None)
+    # one --set for several variants; the gate-replay and bounded-lag rows
+    several = ["sat_gspo,sat_gspo_gates:objective.hparams.proxy=token",
+               "gspo_bounded:train.mismatch_target=0.05"]
+    gates = lag_sweep.run_config(RunSpec("sat_gspo_gates", 2, 0), None, several, "out", "warm",
+                                 7, (0.05, 0.07))
+    assert (gates.train.replay, gates.objective.hparams["proxy"]) == ("gates", "token")
+    assert lag_sweep.run_config(sat, None, several, "out", "warm", 7,
+                                None).objective.hparams["proxy"] == "token"
+    bounded = lag_sweep.run_config(RunSpec("gspo_bounded", 8, 0), None, several, "out",
+                                   "warm", 7, None)
+    assert (bounded.train.mismatch_target, bounded.train.max_lag) == (0.05, 8)
+    with pytest.raises(ValueError, match="gspo_bounded:train.mismatch_target"):
+        lag_sweep.run_config(RunSpec("gspo_bounded", 8, 0), None, [], "out", "warm", 7, None)
+    with pytest.raises(ValueError, match="'nope' must be one of"):
+        lag_sweep.split_overrides(["gspo,nope:train.steps=3"])
 
 
 @pytest.mark.slow
@@ -111,3 +126,39 @@ def test_partial_rollout_runs_move_to_the_next_version_mid_batch(tmp_path):
     assert records[0]["partial_frac"] == 0.0  # one version exists: nothing to move to
     for m in records[1:]:  # responses longer than one segment span two versions
         assert m["partial_frac"] > 0 and m["lag_token_mean"] < m["lag_mean"], m
+
+
+@pytest.mark.slow
+def test_long_answer_test_bed_runs_and_a_bounded_lag_follows_the_mismatch(tmp_path):
+    """configs/testbed_long.yaml (16 separated digits, four updates per batch), cut to a
+    few steps: the selection runs GSPO and the SAT-GSPO mechanism check; the bounded-lag
+    row, with a target no batch meets and a one-batch window, lowers its lag each step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--config",
+           str(REPO / "configs/testbed_long.yaml"), "--out", str(tmp_path), "--lags", "0,2",
+           "--seeds", "0,1", "--steps", "3", "--eval-every", "3", "--jobs", "2",
+           "--set", "sft.steps=3", "--set", "eval.num_prompts=4", "--set", "eval.k=2",
+           "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+           "--set", "sat_gspo:objective.hparams.proxy=token",
+           "--set", "gspo_bounded:train.mismatch_target=1e-12",
+           "--set", "gspo_bounded:train.mismatch_window=1"]
+    r = subprocess.run(cmd + ["--selection"], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Mechanism (sat_gspo, lag 2, n=2, no score read): newly clipped " in r.stdout
+    assert sorted(p.parent.name for p in tmp_path.glob("runs/*/result.json")) == [
+        "gspo-lag0-seed0", "gspo-lag0-seed1", "gspo-lag2-seed0", "gspo-lag2-seed1",
+        "sat_gspo-lag2-seed0", "sat_gspo-lag2-seed1"]
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "sat_gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    assert all(m["response_len_mean"] > 8 for m in records)  # not the 7-token answers
+    assert all(m["sat_tail_frac"] > 0 for m in records)  # the token proxy's tail
+    r = subprocess.run(cmd + ["--variants", "gspo_bounded", "--lags", "2", "--seeds", "0"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in
+               (tmp_path / "runs" / "gspo_bounded-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    # step 1: one version exists; each batch over the target lowers the limit by one
+    assert [m["lag_mean"] for m in records] == [0.0, 1.0, 0.0]
+    assert [m["lag_limit"] for m in records] == [1.0, 0.0, 0.0]

@@ -108,6 +108,55 @@ def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
     assert lag16[2 + names.index("kl_k3")] == "0.250"
 
 
+def _write_metrics(root, variant, lag, seed, rows):
+    path = RunDirs(RunSpec(variant, lag, seed).run_dir(root)).metrics
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": i + 1, **r}) + "\n" for i, r in enumerate(rows)))
+
+
+def test_drop_tables_from_the_smallest_lag_to_each_other_lag():
+    results = (_results("gspo", 1, [0.6, 0.7, 0.65]) + _results("gspo", 8, [0.5, 0.6, 0.55])
+               + _results("gspo", 16, [0.3, 0.4, 0.35]))
+    text = sr.results_markdown(results, [1, 8, 16], None)
+    assert "Drop lag 1 -> lag 8" in text and "Drop lag 1 -> lag 16" in text
+    assert "| gspo | +0.100 [+0.100, +0.100] | — |" in text
+    assert "| gspo | +0.300 [+0.300, +0.300] | — |" in text
+
+
+def test_sat_table_averages_steps_then_seeds_for_the_objectives_that_narrow(tmp_path):
+    sat = {"sat_tail_frac": 0.1, "sat_newly_clipped_frac": 0.02,
+           "sat_mean_lo_radius": 1e-3, "sat_mean_hi_radius": 2e-3}
+    _write_metrics(tmp_path, "sat_gspo", 8, 0, [sat, {**sat, "sat_newly_clipped_frac": 0.04}])
+    _write_metrics(tmp_path, "sat_gspo", 8, 1, [{**sat, "sat_newly_clipped_frac": 0.06}])
+    _write_metrics(tmp_path, "gspo", 8, 0, [{**sat, "sat_tail_frac": 0.0}])  # GSPO: no tail
+    results = [{"variant": v, "lag": 8, "seed": s}
+               for v, s in (("sat_gspo", 0), ("sat_gspo", 1), ("gspo", 0))]
+    text = sr.sat_markdown(results, sr.run_metrics(results, tmp_path), [8])
+    assert "| sat_gspo | 8 | 10.00% | 4.50% | 1.00e-03 | 2.00e-03 |" in text
+    assert "| gspo |" not in text
+    # the selection's mechanism check reads the same statistics, at the largest lag only
+    check = sr.mechanism_check(results, tmp_path, "sat_gspo")
+    assert check["sat_newly_clipped_frac"] == pytest.approx(0.045) and check["acts"]
+    assert check["lag"] == 8 and check["n"] == 2
+
+
+def test_selection_reports_the_mechanism_but_never_its_score(tmp_path):
+    lo = [0.60, 0.62, 0.58]
+    hi = [0.50, 0.52, 0.49]
+    for s in range(3):
+        _write_metrics(tmp_path, "sat_gspo", 16, s, [{
+            "sat_tail_frac": 0.1, "sat_newly_clipped_frac": 0.01, "sat_mean_lo_radius": 1e-3,
+            "sat_mean_hi_radius": 1e-3}])
+    results = (_results("gspo", 1, lo) + _results("gspo", 16, hi)
+               + _results("sat_gspo", 16, [0.987, 0.986, 0.985]))
+    line = sr.write_selection(results, tmp_path, [1, 16], mechanism="sat_gspo")
+    assert "newly clipped 1.00% of tokens" in line and "newly clipped >= 2%: no" in line
+    text = (tmp_path / "selection.md").read_text()
+    assert "0.98" not in text and "| sat_gspo |" not in text  # its scores are not shown
+    saved = json.loads((tmp_path / "selection.json").read_text())
+    assert saved["variant"] == "gspo" and saved["mechanism"]["acts"] is False
+
+
 def test_the_report_does_not_load_the_sweep():
     """RunSpec lives in sweep_spec: the report reads a sweep's files without importing the
     module that runs it (which imports the report: no cycle)."""
