@@ -59,11 +59,13 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
                        cwd=REPO)
     assert r.returncode == 0 and "8 runs, 8 already done, 0 to redo" in r.stdout, r.stdout
     assert [p.stat().st_mtime_ns for p in results] == stamps  # nothing re-ran
-    # the selection phase (gspo at the smallest and largest lag) reuses the same runs
+    # the selection phase (gspo at the smallest and largest lag) reuses the same runs and
+    # adds its mechanism check, SAT-GSPO at the largest lag
     r = subprocess.run(cmd + ["--selection"], env=env, capture_output=True, text=True,
                        timeout=300, cwd=REPO)
-    assert r.returncode == 0 and "4 runs, 4 already done" in r.stdout, r.stdout
-    assert "drop > 2 SE: " in (tmp_path / "selection.md").read_text()
+    assert r.returncode == 0 and "6 runs, 4 already done" in r.stdout, r.stdout
+    selection = (tmp_path / "selection.md").read_text()
+    assert "drop > 2 SE: " in selection and "Mechanism (sat_gspo, lag 2, n=2" in selection
 
 
 def test_run_configs_take_every_override_and_their_key_follows_the_config():
@@ -147,6 +149,8 @@ def test_long_answer_test_bed_runs_and_a_bounded_lag_follows_the_mismatch(tmp_pa
                        timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Mechanism (sat_gspo, lag 2, n=2, no score read): newly clipped " in r.stdout
+    assert "sat_gspo-lag2-seed0: score not shown (mechanism check)" in r.stdout
+    assert "sat_gspo-lag2-seed0: avg@" not in r.stdout
     assert sorted(p.parent.name for p in tmp_path.glob("runs/*/result.json")) == [
         "gspo-lag0-seed0", "gspo-lag0-seed1", "gspo-lag2-seed0", "gspo-lag2-seed1",
         "sat_gspo-lag2-seed0", "sat_gspo-lag2-seed1"]
