@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,10 @@ BOOTSTRAP_RESAMPLES = 10_000
 MECHANISM_MIN_NEWLY_CLIPPED = 0.02
 CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
                "reward_peak", "reward_final", "collapsed")
-# per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
 # SAT's own per-step statistics, tabulated per lag for every objective that logs them
 SAT_STATISTICS = ("sat_tail_frac", "sat_newly_clipped_frac", "sat_mean_lo_radius",
                   "sat_mean_hi_radius")
+# per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
 DIAGNOSTICS = (("router_mismatch", "router flips"), ("router_mismatch_applied", "applied flips"),
                ("sat_tail_frac", "SAT tail"), ("sat_newly_clipped_frac", "SAT newly clipped"),
                ("clip_frac_low", "clipped low"), ("clip_frac_high", "clipped high"),
@@ -199,13 +200,7 @@ def sat_markdown(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[
                  lags: list[int]) -> str:
     """SAT's own statistics per objective and lag (:data:`SAT_STATISTICS`, each averaged
     over a run's steps, then over seeds), for the objectives that narrow (a nonzero tail)."""
-    cell: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        rows = metrics[(r["variant"], r["lag"], r["seed"])]
-        for name in SAT_STATISTICS:
-            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
-            if xs:
-                cell[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
+    cell = run_means(results, metrics, SAT_STATISTICS)
     sat = [v for v in dict.fromkeys(r["variant"] for r in results)
            if any(np.mean(cell[(v, lag)]["sat_tail_frac"] or [0.0]) > 0 for lag in lags)]
     text = ["SAT's own statistics, each per-step value averaged over a run's steps, then over "
@@ -262,11 +257,10 @@ def mechanism_check(results: list[dict[str, Any]], out: Path, variant: str) -> d
     if not runs:
         raise ValueError(f"mechanism check: no {variant} runs")
     lag = max(r["lag"] for r in runs)
-    metrics = run_metrics([r for r in runs if r["lag"] == lag], out)
-    stats = {name: float(np.mean([np.mean([m[name] for m in rows if name in m])
-                                  for rows in metrics.values()]))
-             for name in SAT_STATISTICS}
-    return {"variant": variant, "lag": lag, "n": len(metrics), **stats,
+    runs = [r for r in runs if r["lag"] == lag]
+    cell = run_means(runs, run_metrics(runs, out), SAT_STATISTICS)[(variant, lag)]
+    stats = {name: float(np.mean(cell[name])) for name in SAT_STATISTICS}
+    return {"variant": variant, "lag": lag, "n": len(runs), **stats,
             "acts": bool(stats["sat_newly_clipped_frac"] >= MECHANISM_MIN_NEWLY_CLIPPED)}
 
 
@@ -317,6 +311,20 @@ def run_metrics(results: list[dict[str, Any]], out: Path) -> dict[RunKey, list[d
     return {key: _read_metrics(RunDirs(RunSpec(*key).run_dir(out)).metrics) for key in keys}
 
 
+def run_means(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, Any]]],
+              names: Sequence[str]) -> dict[tuple[str, int], dict[str, list[float]]]:
+    """Per (objective, lag) and metric name, each run's mean of that per-step metric over
+    its steps (``metrics``: :func:`run_metrics`); a run that never logged it is left out."""
+    cell: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        rows = metrics[(r["variant"], r["lag"], r["seed"])]
+        for name in names:
+            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
+            if xs:
+                cell[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
+    return cell
+
+
 def diagnostics_markdown(results: list[dict[str, Any]],
                          metrics: dict[RunKey, list[dict[str, Any]]], lags: list[int]) -> str:
     """Per objective at the smallest and the largest lag, each :data:`DIAGNOSTICS` metric
@@ -324,15 +332,8 @@ def diagnostics_markdown(results: list[dict[str, Any]],
     (``—``: none of its runs logged it)."""
     edge = sorted({min(lags), max(lags)})
     variants = list(dict.fromkeys(r["variant"] for r in results))
-    means: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        if r["lag"] not in edge:
-            continue
-        rows = metrics[(r["variant"], r["lag"], r["seed"])]
-        for name, _ in DIAGNOSTICS:
-            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
-            if xs:
-                means[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
+    means = run_means([r for r in results if r["lag"] in edge], metrics,
+                      [name for name, _ in DIAGNOSTICS])
     text = ["Diagnostics: each per-step metric's mean over a run's steps, averaged over the "
             "seeds (router flips: the engine's and the trainer's expert sets differ, per "
             "(token, layer); applied: the flips the trainer's forward used, 0 under replay; "
