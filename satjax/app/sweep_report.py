@@ -156,6 +156,7 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
     for v in variants:
         text.append(f"| {v} | " + " | ".join(
             _fmt_ci(*mean_ci(list(by[(v, lag)].values()))) for lag in lags) + " |")
+    text += ["", *versus_gspo_markdown(results, lags)]
     for hi in [lag for lag in lags if lag != lo]:
         text += ["", *drop_markdown(results, lo, hi)]
     n_collapsed: dict[tuple[str, int], int] = defaultdict(int)
@@ -172,6 +173,34 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
         total = sum(n_collapsed[(v, lag)] for lag in lags)
         text.append(f"| {v} | " + " | ".join(cells) + f" | {total} |")
     return "\n".join(text) + "\n"
+
+
+def versus_gspo_markdown(results: list[dict[str, Any]], lags: list[int]) -> list[str]:
+    """Each objective's score minus GSPO's at each lag, paired by seed, with a paired
+    bootstrap interval (lines of markdown; none without GSPO runs): the paper's ordering is
+    a statement about these differences, not about the drops."""
+    by = _by_cell(results)
+    if not any(v == "gspo" for v, _ in by):
+        return []
+    text = ["Score minus GSPO's at the same lag (per seed, over the seeds both ran; positive: "
+            "above GSPO), with a paired bootstrap 95% interval:", "",
+            "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
+            "|---" * (len(lags) + 1) + "|"]
+    for v in dict.fromkeys(r["variant"] for r in results):
+        if v == "gspo":
+            continue
+        cells = []
+        for lag in lags:
+            seeds = sorted(set(by[(v, lag)]) & set(by[("gspo", lag)]))
+            if len(seeds) < 2:
+                cells.append("—")
+                continue
+            dm, blo, bhi = paired_bootstrap_ci(np.array([by[(v, lag)][s] for s in seeds]),
+                                               np.array([by[("gspo", lag)][s] for s in seeds]))
+            sep = " (separates)" if blo > 0 or bhi < 0 else ""
+            cells.append(f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}")
+        text.append(f"| {v} | " + " | ".join(cells) + " |")
+    return text
 
 
 def drop_markdown(results: list[dict[str, Any]], lo: int, hi: int) -> list[str]:

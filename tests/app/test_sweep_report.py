@@ -123,6 +123,18 @@ def test_drop_tables_from_the_smallest_lag_to_each_other_lag():
     assert "| gspo | +0.300 [+0.300, +0.300] | — |" in text
 
 
+def test_scores_are_compared_with_gspos_at_each_lag_paired_by_seed():
+    results = (_results("gspo", 1, [0.5, 0.6, 0.55]) + _results("sat_gspo", 1, [0.6, 0.7, 0.65])
+               + _results("gspo", 8, [0.5, 0.6, 0.55]) + _results("sat_gspo", 8, [0.4, 0.8, 0.5]))
+    text = sr.results_markdown(results, [1, 8], None)
+    assert "| sat_gspo | +0.100 [+0.100, +0.100] (separates) | +0.017 [" in text
+    assert "| gspo | +" not in text.split("Score minus GSPO's")[1].split("Drop lag")[0]
+    # the lag-8 difference straddles zero: -0.1, +0.2, -0.05 per seed
+    assert text.count("(separates)") == 1
+    assert "Score minus GSPO's" not in sr.results_markdown(
+        _results("sat_gspo", 1, [0.6, 0.7]), [1], None)
+
+
 def test_sat_table_averages_steps_then_seeds_for_the_objectives_that_narrow(tmp_path):
     sat = {"sat_tail_frac": 0.1, "sat_newly_clipped_frac": 0.02,
            "sat_mean_lo_radius": 1e-3, "sat_mean_hi_radius": 2e-3}
