@@ -38,7 +38,8 @@ CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "second
 SAT_STATISTICS = ("sat_tail_frac", "sat_newly_clipped_frac", "sat_mean_lo_radius",
                   "sat_mean_hi_radius")
 # per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
-DIAGNOSTICS = (("router_mismatch", "router flips"), ("router_mismatch_applied", "applied flips"),
+DIAGNOSTICS = (("lag_mean", "served lag"), ("router_mismatch", "router flips"),
+               ("router_mismatch_applied", "applied flips"),
                ("sat_tail_frac", "SAT tail"), ("sat_newly_clipped_frac", "SAT newly clipped"),
                ("clip_frac_low", "clipped low"), ("clip_frac_high", "clipped high"),
                ("token_extreme_frac", "F(log 2)"), ("kl_k3", "k3 KL"))
@@ -364,7 +365,9 @@ def diagnostics_markdown(results: list[dict[str, Any]],
     means = run_means([r for r in results if r["lag"] in edge], metrics,
                       [name for name, _ in DIAGNOSTICS])
     text = ["Diagnostics: each per-step metric's mean over a run's steps, averaged over the "
-            "seeds (router flips: the engine's and the trainer's expert sets differ, per "
+            "seeds (served lag: the versions between the sampling and the trained policy, "
+            "below the nominal lag while fewer versions exist, and under a bounded lag; "
+            "router flips: the engine's and the trainer's expert sets differ, per "
             "(token, layer); applied: the flips the trainer's forward used, 0 under replay; "
             "SAT newly clipped: clipped by SAT's narrowed interval but not by the base clip):",
             "", "| objective | lag | " + " | ".join(label for _, label in DIAGNOSTICS) + " |",
