@@ -105,6 +105,13 @@ def _fmt_ci(m: float, h: float) -> str:
     return f"{m:.3f}" if np.isnan(h) else f"{m:.3f} ± {h:.3f}"
 
 
+def _fmt_paired(a: np.ndarray, b: np.ndarray) -> str:
+    """``mean(a - b) [95% paired bootstrap]``, marked when the interval excludes 0."""
+    dm, blo, bhi = paired_bootstrap_ci(a, b)
+    sep = " (separates)" if blo > 0 or bhi < 0 else ""
+    return f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}"
+
+
 def _by_cell(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[int, float]]:
     by: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     for r in results:
@@ -196,10 +203,8 @@ def versus_gspo_markdown(results: list[dict[str, Any]], lags: list[int]) -> list
             if len(seeds) < 2:
                 cells.append("—")
                 continue
-            dm, blo, bhi = paired_bootstrap_ci(np.array([by[(v, lag)][s] for s in seeds]),
-                                               np.array([by[("gspo", lag)][s] for s in seeds]))
-            sep = " (separates)" if blo > 0 or bhi < 0 else ""
-            cells.append(f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}")
+            cells.append(_fmt_paired(np.array([by[(v, lag)][s] for s in seeds]),
+                                     np.array([by[("gspo", lag)][s] for s in seeds])))
         text.append(f"| {v} | " + " | ".join(cells) + " |")
     return text
 
@@ -219,9 +224,7 @@ def drop_markdown(results: list[dict[str, Any]], lo: int, hi: int) -> list[str]:
         if v == "gspo" or "gspo" not in d or len(dv) < 2 or len(dv) != len(d["gspo"]):
             cmp = "—"
         else:
-            dm, blo, bhi = paired_bootstrap_ci(dv, d["gspo"])
-            sep = " (separates)" if blo > 0 or bhi < 0 else ""
-            cmp = f"{dm:+.3f} [{blo:+.3f}, {bhi:+.3f}]{sep}"
+            cmp = _fmt_paired(dv, d["gspo"])
         text.append(f"| {v} | {cell} | {cmp} |")
     return text
 
