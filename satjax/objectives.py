@@ -30,9 +30,9 @@ Hyperparameters, their defaults and ranges are the dataclasses of
 :mod:`satjax.losses.hparams`; :func:`hparams` validates a name and a mapping up front::
 
     >>> from satjax import objectives
-    >>> hp = objectives.hparams("gspo", {"eps_high": 1e-3})
+    >>> hp = objectives.hparams("gspo", {"eps_high": 0.28})
     >>> type(hp).__name__, hp.eps_low, hp.eps_high
-    ('GspoHParams', 0.0003, 0.001)
+    ('GspoHParams', 0.2, 0.28)
     >>> objectives.hparams("gspo", {"eps_high": -1.0})
     Traceback (most recent call last):
     ...
@@ -46,6 +46,7 @@ Hyperparameters, their defaults and ranges are the dataclasses of
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,13 +103,17 @@ def _batch_get(batch: Mapping[str, Any], key: str) -> Any:
     return batch[key]
 
 
-def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /,
-         **overrides: Any) -> Objective:
+def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /, *,
+         microbatches: int = 1, **overrides: Any) -> Objective:
     """Objective ``name`` with its defaults overridden by ``hp`` and then ``overrides``.
 
     ``hp`` is a mapping or an instance of the objective's own dataclass (e.g.
-    ``make("gspo", GspoHParams(eps_high=1e-3))``). Raises ValueError naming an unknown
-    objective or hyperparameter, or an out-of-range value (see :func:`hparams`).
+    ``make("gspo", GspoHParams(eps_high=1e-3))``). ``microbatches``: how many strided
+    gradient-accumulation micro-batches a batch given to the objective holds (rows m,
+    m + M, ...); SAT objectives with ``scope="microbatch"`` take their gate per
+    micro-batch (the others have no batch statistic and ignore it). Raises ValueError
+    naming an unknown objective or hyperparameter, or an out-of-range value (see
+    :func:`hparams`).
     """
     _check_name(name)
     spec = losses.OBJECTIVES[name]
@@ -120,6 +125,8 @@ def make(name: str, hp: hp_lib.HParams | Mapping[str, Any] | None = None, /,
         hp = dataclasses.asdict(hp)
     cfg = hparams(name, {**dict(hp or {}), **overrides})
     loss_kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _IS_FIELDS}
+    if "microbatches" in inspect.signature(loss_fn).parameters:
+        loss_kw["microbatches"] = microbatches
     correction = cfg.is_correction
 
     def objective(logprobs: jax.Array, batch: Mapping[str, Any]):
@@ -193,6 +200,11 @@ def ppo_clip(**hp: Any) -> Objective:
 def sat_ppo(**hp: Any) -> Objective:
     """Token-level SAT; see :func:`satjax.losses.sat_ppo_loss`."""
     return make("sat_ppo", **hp)
+
+
+def sat_grpo(**hp: Any) -> Objective:
+    """SAT-GRPO (token-level SAT, GRPO's reduction); see :func:`satjax.losses.sat_grpo_loss`."""
+    return make("sat_grpo", **hp)
 
 
 def dppo_tv(**hp: Any) -> Objective:

@@ -3,9 +3,10 @@
 One module per family, everything re-exported here (``satjax.losses.X``):
 
 * :mod:`~satjax.losses.policy_gradient`: ``ppo_clip_loss``, ``grpo_loss``, ``gspo_loss``,
-  ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_gspo_loss``, ``dppo_tv_loss``,
-  ``dppo_kl_loss``, ``clipped_surrogate``, ``AUX_KEYS``;
-* :mod:`~satjax.losses.sat`: ``sat_interval`` (Hill and Gauss kernels);
+  ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_grpo_loss``, ``sat_gspo_loss``,
+  ``dppo_tv_loss``, ``dppo_kl_loss``, ``clipped_surrogate``, ``AUX_KEYS``;
+* :mod:`~satjax.losses.sat`: ``sat_interval`` (the authors' kernel; our smooth and gauss
+  variants);
 * :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
 * :mod:`~satjax.losses.advantages`: ``group_advantages``;
 * :mod:`~satjax.losses.regularizers`: ``kl_penalty`` (k1/k2/k3 KL to a reference policy);
@@ -13,7 +14,7 @@ One module per family, everything re-exported here (``satjax.losses.X``):
 * :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
   objective (``SatGspoHParams``, ...) and for ``group_advantages``
   (``GroupAdvantageHParams``), the choice tuples ``KERNELS``, ``SCALES``, ``PROXIES``,
-  ``IS_LEVELS``;
+  ``SCOPES``, ``IS_LEVELS``;
 * :mod:`~satjax.losses.registry`: ``OBJECTIVES``, filled by ``@register(name, HParams)``
   on each loss where it is defined.
 
@@ -29,6 +30,7 @@ from satjax.losses.hparams import (
     KERNELS,
     PROXIES,
     SCALES,
+    SCOPES,
     ClipHParams,
     DppoHParams,
     DppoKlHParams,
@@ -39,6 +41,7 @@ from satjax.losses.hparams import (
     GspoTokenHParams,
     HParams,
     PpoClipHParams,
+    SatGrpoHParams,
     SatGspoHParams,
     SatKernelHParams,
     SatPpoHParams,
@@ -54,6 +57,7 @@ from satjax.losses.policy_gradient import (
     gspo_loss,
     gspo_token_loss,
     ppo_clip_loss,
+    sat_grpo_loss,
     sat_gspo_loss,
     sat_ppo_loss,
 )
@@ -64,12 +68,13 @@ from satjax.losses.sat import sat_interval
 
 __all__ = [
     "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "IS_LEVELS", "KERNELS", "OBJECTIVES",
-    "PROXIES", "SCALES",
+    "PROXIES", "SCALES", "SCOPES",
     "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
     "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
-    "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
+    "SatGrpoHParams", "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
     "clipped_surrogate", "dppo_kl_loss", "dppo_tv_loss", "group_advantages", "grpo_loss",
     "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_mean", "masked_quantile", "mis_mask",
-    "ppo_clip_loss", "sat_gspo_loss", "sat_interval", "sat_ppo_loss", "tis_weights",
+    "ppo_clip_loss", "sat_grpo_loss", "sat_gspo_loss", "sat_interval", "sat_ppo_loss",
+    "tis_weights",
 ]

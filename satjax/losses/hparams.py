@@ -2,18 +2,23 @@
 
 One frozen dataclass per objective, built from shared parts: :class:`HParams` (the
 rollout/trainer importance-sampling correction every objective has), :class:`ClipHParams`
-(ratio clip radii) with its sequence-level (GSPO-family, radii ~1e-4) and token-level
-(PPO/GRPO, radii ~0.2) defaults, :class:`SatKernelHParams` (the SAT contraction kernel)
-and :class:`DppoHParams` (DPPO's divergence thresholds instead of a ratio clip).
-Constructing one validates it, so an instance is always in range::
+(ratio clip radii, the SAT paper's (0.2, 0.2) for every clip objective) with its
+sequence-level (GSPO family) and token-level (PPO/GRPO: the dual clip) branches,
+:class:`SatKernelHParams` (the SAT contraction kernel) and :class:`DppoHParams` (DPPO's
+divergence thresholds instead of a ratio clip). Constructing one validates it, so an
+instance is always in range::
 
     >>> from satjax.losses import SatGspoHParams
-    >>> SatGspoHParams(lam=0.5).lam
+    >>> SatGspoHParams(kernel="smooth", lam=0.5).lam
     0.5
-    >>> SatGspoHParams(lam=1.5)
+    >>> SatGspoHParams(kernel="smooth", lam=1.5)
     Traceback (most recent call last):
     ...
     ValueError: lam: must be <= 1.0, got 1.5
+    >>> SatGspoHParams(lam=0.5)  # the paper's kernel has no strength parameter
+    Traceback (most recent call last):
+    ...
+    ValueError: lam: applies to kernel 'smooth' or 'gauss', not 'paper'; got 0.5
 
 The loss functions take their keyword defaults from these classes and validate their
 hyperparameter arguments with :func:`check_hparams` (the same ranges, the same messages).
@@ -26,25 +31,30 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 import numpy as np
 
-from satjax.losses._checks import check_choice, check_range
+from satjax.losses._checks import check_choice, check_range, is_concrete
 
-Kernel = Literal["hill", "gauss"]
+Kernel = Literal["paper", "smooth", "gauss"]
 Scale = Literal["rms", "mad"]
-Proxy = Literal["sequence", "token"]
+Proxy = Literal["broadcast", "sequence", "token"]
+Scope = Literal["microbatch", "batch"]
 ISLevel = Literal["token", "sequence"]
 ISCorrection = Literal["tis", "mis"] | None
 
 KERNELS: tuple[str, ...] = get_args(Kernel)
 SCALES: tuple[str, ...] = get_args(Scale)
 PROXIES: tuple[str, ...] = get_args(Proxy)
+SCOPES: tuple[str, ...] = get_args(Scope)
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)
 IS_CORRECTIONS: tuple[str | None, ...] = (None, *get_args(get_args(ISCorrection)[0]))
 
 # Choice-valued hyperparameters, by argument name (static under jit: they change the program).
 CHOICES: dict[str, tuple[Any, ...]] = {
-    "kernel": KERNELS, "scale": SCALES, "proxy": PROXIES, "level": IS_LEVELS,
+    "kernel": KERNELS, "scale": SCALES, "proxy": PROXIES, "scope": SCOPES, "level": IS_LEVELS,
     "is_level": IS_LEVELS, "is_correction": IS_CORRECTIONS,
 }
+# Numbers that are static under jit too: the quantile level sets the gate's rank with exact
+# integer arithmetic (``masked_quantile``'s "inverted_cdf"), which needs a Python number.
+STATIC_NUMBERS: frozenset[str] = frozenset({"quantile"})
 _IS_THRESHOLD = {"low": 0.0, "low_open": True}
 # Ranges of the numeric hyperparameters, by argument name (traced under jit).
 RANGES: dict[str, dict[str, Any]] = {
@@ -126,45 +136,81 @@ class HParams(_Validated):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClipHParams(HParams):
-    """The ratio clip interval ``[1 - eps_low, 1 + eps_high]`` (every objective but DPPO)."""
+    """The ratio clip interval ``[1 - eps_low, 1 + eps_high]`` (every objective but DPPO).
 
-    eps_low: float
-    eps_high: float
+    The defaults are the SAT paper's radii, (0.2, 0.2) for GRPO, GSPO and their SAT
+    variants alike (the authors' project page, "Setup"). Elsewhere: DAPO's clip-higher
+    (0.2, 0.28) for token ratios; the GSPO paper's (3e-4, 4e-4) for its sequence ratio at
+    ~1000-token responses (docs/objectives.md).
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SequenceClipHParams(ClipHParams):
-    """GSPO-family radii: the ratio is a per-sequence geometric mean, so it stays near 1."""
-
-    eps_low: float = 3e-4
-    eps_high: float = 4e-4
+    """The GSPO family: the clipped ratio is a per-sequence geometric mean."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenClipHParams(ClipHParams):
-    """Token-level radii (DAPO's clip-higher asymmetry) and the dual clip.
+    """Token-level ratios, and the dual clip.
 
     ``clip_ratio_c`` (verl's name; None = off, else > 1): for ``A < 0`` the token loss is
     capped at ``clip_ratio_c * |A|`` (dual-clip PPO, Ye et al. 2020), so one token with a
     huge ratio cannot dominate a negative-advantage update.
     """
 
-    eps_low: float = 0.2
-    eps_high: float = 0.28
     clip_ratio_c: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SatKernelHParams(_Validated):
-    """SAT contraction kernel (:func:`~satjax.losses.sat_interval` documents each field)."""
+    """SAT contraction kernel (:func:`~satjax.losses.sat_interval` documents each field).
 
+    ``kernel="paper"`` is the authors' rule and has one parameter, ``quantile``; the other
+    kernels are this project's (``smooth``: ``quantile``, ``lam``, ``c_min``; ``gauss``:
+    ``lam``, ``c``, ``w``, ``scale``). Setting a parameter the kernel does not read is an
+    error, so a sweep cannot silently vary nothing. ``scope``: the statistics (the gate
+    ``q``) over each gradient-accumulation micro-batch ("microbatch", the paper's) or over
+    the whole batch of an optimizer step ("batch").
+    """
+
+    kernel: Kernel = "paper"
+    quantile: float = 0.9
+    lam: float = 1.0
+    c_min: float = 0.1
     c: float = 1.0
     w: float = 1.0
-    lam: float = 1.0
-    kernel: Kernel = "hill"
-    quantile: float = 0.9
-    c_min: float = 0.1
     scale: Scale = "rms"
+    scope: Scope = "microbatch"
+
+    # The parameters each kernel reads (the others must keep their defaults).
+    KERNEL_PARAMS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "paper": ("quantile",), "smooth": ("quantile", "lam", "c_min"),
+        "gauss": ("lam", "c", "w", "scale")}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_kernel_params(self.kernel, {
+            name: getattr(self, name) for names in self.KERNEL_PARAMS.values()
+            for name in names})
+
+
+def check_kernel_params(kernel: str, values: dict[str, Any]) -> None:
+    """Raises ValueError naming the first of ``values`` that ``kernel`` does not read and
+    that differs from its default (:class:`SatKernelHParams`); traced values are skipped
+    (the loss functions check their arguments before tracing)."""
+    check_choice("kernel", kernel, KERNELS)
+    used = SatKernelHParams.KERNEL_PARAMS[kernel]
+    for name, value in values.items():
+        default = SatKernelHParams.__dataclass_fields__[name].default
+        if name not in used and is_concrete(value) and value != default:
+            users = " or ".join(repr(k) for k, ps in SatKernelHParams.KERNEL_PARAMS.items()
+                                if name in ps)
+            raise ValueError(f"{name}: applies to kernel {users}, not {kernel!r}; "
+                             f"got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,7 +227,7 @@ class GspoTokenHParams(SequenceClipHParams):
 class SatGspoHParams(SatKernelHParams, SequenceClipHParams):
     """:func:`~satjax.losses.sat_gspo_loss` (the project's default objective)."""
 
-    proxy: Proxy = "sequence"
+    proxy: Proxy = "broadcast"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -200,6 +246,11 @@ class SatPpoHParams(SatKernelHParams, TokenClipHParams):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SatGrpoHParams(SatKernelHParams, TokenClipHParams):
+    """:func:`~satjax.losses.sat_grpo_loss`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DppoHParams(HParams):
     """DPPO (:func:`~satjax.losses.dppo_tv_loss`, :func:`~satjax.losses.dppo_kl_loss`):
     a token's gradient is dropped when the divergence between the current and the reference
@@ -213,7 +264,8 @@ class DppoHParams(HParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DppoTvHParams(DppoHParams):
-    """DPPO-Binary-TV: thresholds on ``p - q`` (the paper's and verl's default 0.15)."""
+    """DPPO-Binary-TV: thresholds on ``p - q`` (the DPPO paper's and verl's default 0.15;
+    the SAT paper's grid runs 1e-3)."""
 
     delta_low: float = 0.15
     delta_high: float = 0.15

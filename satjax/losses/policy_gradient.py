@@ -1,5 +1,5 @@
-"""Pure-jnp policy-gradient losses: PPO-clip, GRPO, GSPO, GSPO-token, SAT-PPO, SAT-GSPO,
-DPPO (Binary-TV and Binary-KL).
+"""Pure-jnp policy-gradient losses: PPO-clip, GRPO, GSPO, GSPO-token, SAT-PPO, SAT-GRPO,
+SAT-GSPO, DPPO (Binary-TV and Binary-KL).
 
 Every function here is pure (no hidden state, no randomness) and safe under ``jax.jit``,
 ``jax.vmap`` and ``jax.grad``. Conventions shared by all losses:
@@ -19,6 +19,11 @@ Every function here is pure (no hidden state, no randomness) and safe under ``ja
   losses multiply each token's surrogate; sequence-level losses multiply each sequence's
   surrogate by the mean weight of its valid tokens. Normalisers are not changed by the
   weights.
+
+* ``microbatches`` (SAT losses; static int, default 1): the batch's rows form this many
+  strided micro-batches (rows m, m + M, ...: the train step's gradient-accumulation split)
+  and, with ``scope="microbatch"``, SAT's gate is taken per micro-batch, as the authors
+  take it over "the current microbatch"; the loss's reduction stays over the whole batch.
 
 Every loss returns ``(loss, aux)`` where ``loss`` is a scalar to *minimise* and ``aux`` is
 a dict with exactly the keys in :data:`AUX_KEYS` (scalars, detached), so a trainer can log
@@ -50,33 +55,61 @@ from satjax.losses.hparams import (
     Kernel,
     PpoClipHParams,
     SatGspoHParams,
+    STATIC_NUMBERS,
+    SatGrpoHParams,
     SatKernelHParams,
     SatPpoHParams,
     Scale,
+    Scope,
     TokenClipHParams,
     check_hparams,
+    check_kernel_params,
 )
 from satjax.losses.quantile import masked_mean
 from satjax.losses.registry import register
-from satjax.losses.sat import sign_selected_bounds, tail_factor, tail_kernel
+from satjax.losses.sat import sign_selected_bounds, tail_kernel
 
 Array = jax.Array
+
+# every kernel's parameters, each once (their defaults and checks: SatKernelHParams)
+KERNEL_PARAM_NAMES = tuple(dict.fromkeys(
+    name for names in SatKernelHParams.KERNEL_PARAMS.values() for name in names))
 
 AUX_KEYS = (
     "clip_frac_low",
     "clip_frac_high",
+    "sat_q",
     "sat_tail_frac",
-    "sat_newly_clipped_frac",
+    "sat_c_plus_mean",
+    "sat_c_minus_mean",
     "sat_min_factor",
+    "sat_newly_clipped_frac",
     "sat_mean_lo_radius",
     "sat_mean_hi_radius",
     "proxy_abs_mean",
     "proxy_abs_max",
+    "mismatch_abs_mean",
+    "kl_k1",
     "kl_k3",
     "ratio_min",
     "ratio_mean",
     "ratio_max",
 )
+"""The metrics every loss returns. SAT's (neutral for the other losses: q 0, factors 1):
+
+* ``sat_q``: the gate ``q`` (gauss: the scale ``sigma``), averaged over micro-batches;
+* ``sat_tail_frac``: the realised gate rate, the share of SAT's units (tokens, or
+  sequences for the per-sequence proxy) whose factor is below 1;
+* ``sat_c_plus_mean`` / ``sat_c_minus_mean``: the mean ``c+`` / ``c-`` over those gated
+  units (a gated unit with ``d < 0`` has ``c+ = 1``, and vice versa);
+* ``sat_min_factor``: the smallest factor, ``min c``;
+* ``sat_newly_clipped_frac``: units whose clip binds under SAT's bounds but not PPO's;
+* ``sat_mean_lo_radius`` / ``sat_mean_hi_radius``: the mean contracted radii.
+
+And for every loss: ``mismatch_abs_mean``, the authors' ``d-bar`` = mean ``|lp - mu|``
+over valid tokens; ``kl_k1`` = mean ``mu - lp`` and ``kl_k3`` (the k1 and k3 estimates of
+KL(mu || pi) on the behaviour's samples); ``proxy_abs_*`` are over the loss's own units.
+"""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -206,10 +239,21 @@ def _kl_k3(p: Prepared) -> Array:
     return masked_mean(_ratio(r) - 1.0 - r, p.valid)
 
 
+class SatFactors(NamedTuple):
+    """SAT's contraction of each of its units (tokens or sequences), for the metrics:
+    ``c_plus`` / ``c_minus`` (the factors of the high / low radius), ``weight`` (what a
+    unit counts for: 1 per valid token or sequence, 0 elsewhere; a sequence's valid-token
+    count for the broadcast proxy) and ``q`` (the gate per row, [B])."""
+
+    c_plus: Array
+    c_minus: Array
+    weight: Array
+    q: Array
+
+
 def _aux(p: Prepared, *, ratio: Array, units_valid: Array, proxy: Array,
          lo: Array | float, hi: Array | float, eps_low: Any, eps_high: Any,
-         factor: Array | None, min_factor: Array | None = None,
-         binds: tuple[Array, Array] | None = None) -> dict[str, Array]:
+         sat: SatFactors | None, binds: tuple[Array, Array] | None = None) -> dict[str, Array]:
     """Scalar metrics over valid units (rows for sequence losses, tokens otherwise).
 
     Clip fractions count where the clip *binds* for the advantage's sign (verl's
@@ -238,32 +282,44 @@ def _aux(p: Prepared, *, ratio: Array, units_valid: Array, proxy: Array,
         "clip_frac_high": clip_mean(binds_high),
         "proxy_abs_mean": masked_mean(jnp.abs(proxy), units_valid),
         "proxy_abs_max": _masked_max(jnp.abs(proxy), units_valid, 0.0),
+        "mismatch_abs_mean": masked_mean(jnp.abs(p.d_tok), p.valid),
+        "kl_k1": -masked_mean(p.d_tok, p.valid),
         "kl_k3": _kl_k3(p),
         "ratio_min": _masked_min(ratio, units_valid, 1.0),
         "ratio_mean": masked_mean(ratio, units_valid),
         "ratio_max": _masked_max(ratio, units_valid, 1.0),
     }
-    if factor is None:  # neutral SAT metrics for non-SAT losses
-        aux.update(sat_tail_frac=jnp.zeros((), dt), sat_newly_clipped_frac=jnp.zeros((), dt),
+    if sat is None:  # neutral SAT metrics for non-SAT losses
+        aux.update(sat_q=jnp.zeros((), dt), sat_tail_frac=jnp.zeros((), dt),
+                   sat_c_plus_mean=one, sat_c_minus_mean=one,
+                   sat_newly_clipped_frac=jnp.zeros((), dt),
                    sat_min_factor=one, sat_mean_lo_radius=jnp.asarray(eps_low, dt) * one,
                    sat_mean_hi_radius=jnp.asarray(eps_high, dt) * one)
     else:
         # Binds under the SAT bounds but would not under the PPO/GSPO ones.
         newly = (binds_low & (ratio >= lo_ppo)) | (binds_high & (ratio <= hi_ppo))
-        uv = units_valid.astype(dt)
-        # The four SAT sums as one reduction of a stacked array: on XLA:CPU each separate
+        uw = sat.weight.astype(dt)
+        factor = jnp.minimum(sat.c_plus, sat.c_minus)
+        gated = (factor < 1.0).astype(dt) * uw
+        # The SAT sums as one reduction of a stacked array: on XLA:CPU each separate
         # reduction of a computed [B, T] array is its own pass plus a write (262k tokens:
         # 0.6-0.8 ms for four, 0.3-0.45 ms stacked).
-        tail, n_newly, lo_sum, hi_sum = jnp.sum(jnp.stack([
-            (factor < 1.0).astype(dt) * uv, newly.astype(dt) * clip_w,
-            jnp.broadcast_to(1.0 - lo, ratio.shape) * uv,
-            jnp.broadcast_to(hi - 1.0, ratio.shape) * uv]), axis=tuple(range(1, ratio.ndim + 1)))
-        n_units = jnp.maximum(jnp.sum(uv), 1.0)
+        n_gated, c_plus_sum, c_minus_sum, n_newly, lo_sum, hi_sum = jnp.sum(jnp.stack([
+            gated, sat.c_plus * gated, sat.c_minus * gated, newly.astype(dt) * clip_w,
+            jnp.broadcast_to(1.0 - lo, ratio.shape) * uw,
+            jnp.broadcast_to(hi - 1.0, ratio.shape) * uw]), axis=tuple(range(1, ratio.ndim + 1)))
+        n_units = jnp.maximum(jnp.sum(uw), 1.0)
+
+        def gated_mean(total: Array) -> Array:  # 1 (no contraction) when nothing is gated
+            return jnp.where(n_gated > 0, total / jnp.maximum(n_gated, 1.0), one)
+
         aux.update(
-            sat_tail_frac=tail / n_units,
+            sat_q=masked_mean(sat.q, p.row_valid),
+            sat_tail_frac=n_gated / n_units,
+            sat_c_plus_mean=gated_mean(c_plus_sum),
+            sat_c_minus_mean=gated_mean(c_minus_sum),
+            sat_min_factor=_masked_min(factor, uw > 0, 1.0),
             sat_newly_clipped_frac=n_newly / n_clip,
-            sat_min_factor=(_masked_min(factor, units_valid, 1.0) if min_factor is None
-                            else min_factor),
             sat_mean_lo_radius=lo_sum / n_units,
             sat_mean_hi_radius=hi_sum / n_units,
         )
@@ -280,13 +336,22 @@ def _jit_loss(impl):
     recompile. Inside an outer jit/grad the inner jit is simply inlined.
     """
     signature = inspect.signature(impl)
-    static = tuple(k for k in CHOICES if k in signature.parameters)
+    static = tuple(k for k in (*CHOICES, *STATIC_NUMBERS, "microbatches")
+                   if k in signature.parameters)
     jitted = jax.jit(impl, static_argnames=static)
 
     @functools.wraps(impl)
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Array, dict[str, Array]]:
-        given = signature.bind(*args, **kwargs).arguments
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
         check_hparams(**{k: v for k, v in given.items() if k in CHOICES or k in RANGES})
+        if "kernel" in given:
+            check_kernel_params(given["kernel"], {k: given[k] for k in KERNEL_PARAM_NAMES})
+        microbatches = given.get("microbatches", 1)
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) \
+                or microbatches < 1:
+            raise ValueError(f"microbatches: must be an int >= 1, got {microbatches!r}")
         _validate_batch(*(given.get(k) for k in ("logprobs", "behavior_logprobs",
                                                  "advantages", "mask", "old_logprobs",
                                                  "token_weights")))
@@ -315,69 +380,93 @@ def _ppo_bounds(p: Prepared, eps_low: Any, eps_high: Any) -> tuple[Array, Array]
 @register("sat_gspo", SatGspoHParams)
 @_jit_loss
 def sat_gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-                  *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
-                  w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
-                  kernel: Kernel = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
-                  c_min: float = SAT_DEFAULTS.c_min, scale: Scale = SAT_DEFAULTS.scale,
-                  proxy: str = SatGspoHParams.proxy, old_logprobs: Array | None = None,
+                  *, eps_low: float, eps_high: float, kernel: Kernel = SAT_DEFAULTS.kernel,
+                  quantile: float = SAT_DEFAULTS.quantile, lam: float = SAT_DEFAULTS.lam,
+                  c_min: float = SAT_DEFAULTS.c_min, c: float = SAT_DEFAULTS.c,
+                  w: float = SAT_DEFAULTS.w, scale: Scale = SAT_DEFAULTS.scale,
+                  scope: Scope = SAT_DEFAULTS.scope, proxy: str = SatGspoHParams.proxy,
+                  microbatches: int = 1, old_logprobs: Array | None = None,
                   token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
     """SAT-GSPO: GSPO with staleness-adaptive, sign-selected per-sequence clip bounds.
 
-    ``J_i = min(s_i A_i, clip(s_i, lo_i, hi_i) A_i)`` with GSPO's ``s_i`` and
-    ``(lo_i, hi_i)`` from :func:`~satjax.losses.sat_interval` on the staleness proxy;
-    loss = ``-mean_i J_i`` over valid sequences.
+    ``J_i = min(s_i A_i, clip(s_i, 1 - eps_low c-_i, 1 + eps_high c+_i) A_i)`` with GSPO's
+    ``s_i = exp(mean_t (lp - ref))`` and SAT's factors (:func:`~satjax.losses.sat_interval`)
+    of the sequence's proxy; loss = ``-mean_i J_i`` over valid sequences (GSPO's reduction).
 
-    ``proxy="sequence"``: ``d_i = sg(mean_t (lp - mu))`` [B], kernel statistics over the
-    valid sequences. ``proxy="token"``: ``d_{i,t} = sg(lp - mu)`` [B, T], statistics over
-    the valid tokens; sequence i's high radius is contracted by the minimum factor over its
-    tokens with d > 0 and its low radius by the minimum over its tokens with d < 0.
-    Other arguments: :func:`~satjax.losses.sat_interval` and :func:`gspo_loss`.
+    ``proxy`` (the gate's statistics):
+
+    * ``"broadcast"`` (default, the authors'): "the ratio scalar of its base objective",
+      ``d_i = sg(mean_t (lp - mu))`` broadcast to each valid token of row i before the
+      quantile, so ``q`` is token-weighted (a long sequence counts once per token) and
+      the gate rate is a share of tokens;
+    * ``"sequence"`` (ours): the same ``d_i``, each valid sequence counted once;
+    * ``"token"`` (ours): ``d_{i,t} = sg(lp - mu)`` [B, T] over the valid tokens; row i's
+      high radius shrinks by the smallest factor of its tokens with d > 0, its low radius
+      by that of its tokens with d < 0.
+
+    ``scope`` and ``microbatches``: the gate per micro-batch (module docstring). Other
+    arguments: :func:`~satjax.losses.sat_interval` and :func:`gspo_loss`. With no sequence
+    past the gate (``q = 0``, or no ``|d_i| > q``) the loss and its gradient are GSPO's bit
+    for bit.
 
     Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
     ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
     ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
-      SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); GSPO: Zheng et al.
-      2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+      SAT, the Staleness-Adaptive Trust Region: the authors' project page
+      (jyyang26.github.io/stable_async_analysis, Eq. 3.1-3.6 and "GSPO scope");
+      GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
 
-    Example (the stale first row gets a tighter high bound; ``lam=0`` is GSPO exactly):
+    Example (the long rows set the token-weighted gate; the short stale one is past it):
       >>> import jax.numpy as jnp
       >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, aux = losses.sat_gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["sat_min_factor"]), 4)
-      (-0.0895, 0.895)
-      >>> float(losses.sat_gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2,
-      ...                            lam=0.0)[0]) == float(
-      ...     losses.gspo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)[0])
-      True
+      >>> lp = jnp.full((3, 5), -1.0)
+      >>> d = jnp.array([0.1, 0.0, 0.5])  # each row's log-ratio, on every token
+      >>> mask = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+      >>> adv = jnp.array([1.0, -1.0, 1.0])
+      >>> _, aux = losses.sat_gspo_loss(lp, lp - d[:, None], adv, mask, eps_low=0.2,
+      ...                               eps_high=0.2)  # 10 tokens: q = 9th smallest |d|
+      >>> round(float(aux["sat_q"]), 4), round(float(aux["sat_tail_frac"]), 4)
+      (0.1, 0.1)
+      >>> round(float(aux["sat_c_plus_mean"]), 4)  # 1 / (1 + (0.5 / 0.1)^2)
+      0.0385
+      >>> _, aux = losses.sat_gspo_loss(lp, lp - d[:, None], adv, mask, eps_low=0.2,
+      ...                               eps_high=0.2, proxy="sequence")  # 3 rows: q = 0.5
+      >>> round(float(aux["sat_q"]), 4), round(float(aux["sat_tail_frac"]), 4)
+      (0.5, 0.0)
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    sat = SatKernelHParams(c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min,
-                           scale=scale)
+    hp = SatKernelHParams(kernel=kernel, quantile=quantile, lam=lam, c_min=c_min, c=c, w=w,
+                          scale=scale, scope=scope)
     d_seq = _seq_mean(p.d_tok, p)
-    if proxy == "sequence":
-        f = tail_factor(d_seq, p.row_valid, sat)
-        lo, hi = sign_selected_bounds(d_seq, f, f, eps_low, eps_high)
-    else:
-        phi = tail_kernel(p.d_tok, p.valid, sat)
+    one = jnp.ones((), d_seq.dtype)
+    if proxy == "token":
+        tk = tail_kernel(p.d_tok, p.valid, hp, microbatches)
         # Sign selection per token: tokens with d > 0 can only shrink the row's high
         # radius, tokens with d < 0 only its low radius, each by the row's minimum factor.
         # phi is non-increasing with phi(0) = 1, so that minimum is phi of the row's
         # largest |d| on that side (d is 0 at invalid tokens): two row reductions of d and
         # the kernel on [B], instead of the kernel on every token.
         zero = jnp.zeros((), p.d_tok.dtype)
-        f_hi = phi(jnp.maximum(jnp.max(p.d_tok, axis=1), zero))
-        f_lo = phi(jnp.maximum(-jnp.min(p.d_tok, axis=1), zero))
-        lo = 1.0 - jnp.asarray(eps_low, f_lo.dtype) * f_lo
-        hi = 1.0 + jnp.asarray(eps_high, f_hi.dtype) * f_hi
-        f = jnp.minimum(f_lo, f_hi)
+        c_plus = tk.phi(jnp.maximum(jnp.max(p.d_tok, axis=1), zero))
+        c_minus = tk.phi(jnp.maximum(-jnp.min(p.d_tok, axis=1), zero))
+        weight = p.row_valid
+    else:
+        if proxy == "broadcast":
+            tk = tail_kernel(d_seq[:, None] * p.vf, p.valid, hp, microbatches)
+            weight = p.lengths
+        else:
+            tk = tail_kernel(d_seq, p.row_valid, hp, microbatches)
+            weight = p.row_valid
+        f = jnp.where(p.row_valid, tk.phi(jnp.abs(d_seq)), one)
+        c_plus, c_minus = jnp.where(d_seq > 0, f, one), jnp.where(d_seq < 0, f, one)
+    lo = 1.0 - jnp.asarray(eps_low, c_minus.dtype) * c_minus
+    hi = 1.0 + jnp.asarray(eps_high, c_plus.dtype) * c_plus
     loss, s = _sequence_objective(p, lo, hi)
     aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=d_seq,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high,
+               sat=SatFactors(c_plus, c_minus, weight, tk.scale))
     return loss, aux
 
 
@@ -414,7 +503,7 @@ def gspo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     loss, s = _sequence_objective(p, lo, hi)
     proxy = _seq_mean(p.d_tok, p)
     aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid, proxy=proxy,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, sat=None)
     return loss, aux
 
 
@@ -458,7 +547,7 @@ def gspo_token_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array
     loss = -masked_mean(_seq_mean(j, p), p.row_valid)
     aux = _aux(p, ratio=jax.lax.stop_gradient(s), units_valid=p.row_valid,
                proxy=_seq_mean(p.d_tok, p), lo=lo, hi=hi, eps_low=eps_low,
-               eps_high=eps_high, factor=None)
+               eps_high=eps_high, sat=None)
     return loss, aux
 
 
@@ -479,6 +568,17 @@ def _token_terms(p: Prepared, lo: Array | float, hi: Array | float,
     if clip_ratio_c is not None:
         j = jnp.where(adv < 0, jnp.maximum(j, jnp.asarray(clip_ratio_c, j.dtype) * adv), j)
     return j * p.w * p.vf, r
+
+
+def _token_mean_loss(j: Array, p: Prepared) -> Array:
+    """PPO's reduction of token surrogates [B, T]: minus their sum over valid tokens."""
+    return -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
+
+
+def _sequence_mean_loss(j: Array, p: Prepared) -> Array:
+    """GRPO's reduction of token surrogates [B, T]: minus the mean over valid sequences of
+    each sequence's mean over its valid tokens."""
+    return -masked_mean(jnp.sum(j, axis=1) / jnp.maximum(p.lengths, 1.0), p.row_valid)
 
 
 @register("grpo", GrpoHParams)
@@ -518,10 +618,9 @@ def grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    per_seq = jnp.sum(j, axis=1) / jnp.maximum(p.lengths, 1.0)
-    loss = -masked_mean(per_seq, p.row_valid)
+    loss = _sequence_mean_loss(j, p)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, sat=None)
     return loss, aux
 
 
@@ -563,61 +662,124 @@ def ppo_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, 
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
     lo, hi = _ppo_bounds(p, eps_low, eps_high)
     j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
+    loss = _token_mean_loss(j, p)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=None)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, sat=None)
     return loss, aux
+
+
+def _sat_token_terms(p: Prepared, eps_low: Any, eps_high: Any, clip_ratio_c: Any,
+                     hp: SatKernelHParams, microbatches: int
+                     ) -> tuple[Array, Array, Array, Array, SatFactors]:
+    """Token-level SAT (SAT-PPO, SAT-GRPO): the per-token surrogate and ratio of
+    :func:`_token_terms` under SAT's bounds from ``d = sg(lp - mu)`` [B, T], the bounds,
+    and the factors for the metrics."""
+    tk = tail_kernel(p.d_tok, p.valid, hp, microbatches)
+    f = tk.phi(jnp.abs(p.d_tok))  # d is 0 at invalid tokens, and phi(0) = 1
+    lo, hi = sign_selected_bounds(p.d_tok, f, f, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
+    one = jnp.ones((), f.dtype)
+    sat = SatFactors(jnp.where(p.d_tok > 0, f, one), jnp.where(p.d_tok < 0, f, one), p.vf,
+                     tk.scale)
+    return j, r, lo, hi, sat
 
 
 @register("sat_ppo", SatPpoHParams)
 @_jit_loss
 def sat_ppo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
-                 *, eps_low: float, eps_high: float, c: float = SAT_DEFAULTS.c,
-                 w: float = SAT_DEFAULTS.w, lam: float = SAT_DEFAULTS.lam,
-                 kernel: Kernel = SAT_DEFAULTS.kernel, quantile: float = SAT_DEFAULTS.quantile,
-                 c_min: float = SAT_DEFAULTS.c_min, scale: Scale = SAT_DEFAULTS.scale,
+                 *, eps_low: float, eps_high: float, kernel: Kernel = SAT_DEFAULTS.kernel,
+                 quantile: float = SAT_DEFAULTS.quantile, lam: float = SAT_DEFAULTS.lam,
+                 c_min: float = SAT_DEFAULTS.c_min, c: float = SAT_DEFAULTS.c,
+                 w: float = SAT_DEFAULTS.w, scale: Scale = SAT_DEFAULTS.scale,
+                 scope: Scope = SAT_DEFAULTS.scope,
                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
-                 old_logprobs: Array | None = None,
+                 microbatches: int = 1, old_logprobs: Array | None = None,
                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
-    """Token-level SAT: PPO-clip (token-mean) with per-token bounds from ``d = sg(lp - mu)``.
+    """Token-level SAT on PPO-clip (token-mean over the batch).
 
-    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, lo_{i,t}, hi_{i,t}) A_i)`` with
-    ``(lo, hi)`` = :func:`~satjax.losses.sat_interval` of ``d`` [B, T], kernel statistics
-    over the valid tokens of the batch; loss = ``-sum J / #valid tokens``;
-    ``clip_ratio_c`` is the dual clip of :func:`ppo_clip_loss`.
+    ``J_{i,t} = min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_low c-_{i,t}, 1 + eps_high c+_{i,t})
+    A_i)`` with SAT's factors (:func:`~satjax.losses.sat_interval`) of ``d = sg(lp - mu)``
+    [B, T], the gate over the valid tokens (per micro-batch: module docstring); loss =
+    ``-sum J / #valid tokens``; ``clip_ratio_c`` is the dual clip of :func:`ppo_clip_loss`.
+    :func:`sat_grpo_loss` is the same clip with GRPO's reduction.
 
     Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
     ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
     ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
 
     References:
-      SAT, the Staleness-Adaptive Trust Region (docs/objectives.md); PPO: Schulman et al.
-      2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+      SAT, the Staleness-Adaptive Trust Region: the authors' project page
+      (jyyang26.github.io/stable_async_analysis, Eq. 3.1-3.6); PPO: Schulman et al. 2017,
+      "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
 
-    Example:
+    Example (10 tokens: the gate q is the 9th smallest |d|, 0.1; one token is past it):
       >>> import jax.numpy as jnp
       >>> from satjax import losses
-      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
-      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
-      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
-      >>> loss, aux = losses.sat_ppo_loss(lp, mu, adv, mask, eps_low=0.2, eps_high=0.2)
-      >>> round(float(loss), 4), round(float(aux["sat_tail_frac"]), 4)
-      (-0.3854, 0.3333)
+      >>> d = jnp.array([[0.0, 0.1, -0.1, 0.05, 0.3], [0.1, -0.05, 0.0, 0.1, -0.1]])
+      >>> lp = jnp.full((2, 5), -1.0)
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.ones((2, 5))
+      >>> loss, aux = losses.sat_ppo_loss(lp, lp - d, adv, mask, eps_low=0.2, eps_high=0.2)
+      >>> round(float(aux["sat_q"]), 4), round(float(aux["sat_tail_frac"]), 4)
+      (0.1, 0.1)
+      >>> round(float(aux["sat_c_plus_mean"]), 4)  # 1 / (1 + 3^2)
+      0.1
     """
     p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
-    phi = tail_kernel(p.d_tok, p.valid, SatKernelHParams(
-        c=c, w=w, lam=lam, kernel=kernel, quantile=quantile, c_min=c_min, scale=scale))
-    a = jnp.abs(p.d_tok)
-    f = phi(a)  # d is 0 at invalid tokens, and phi(0) = 1
-    lo, hi = sign_selected_bounds(p.d_tok, f, f, eps_low, eps_high)
-    j, r = _token_terms(p, lo, hi, clip_ratio_c)
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
-    # phi is non-increasing: the smallest factor is phi(max |d|), and max |d| is the
-    # proxy_abs_max metric (the same expression, so XLA computes it once).
-    min_factor = phi(_masked_max(a, p.valid, 0.0))
+    hp = SatKernelHParams(kernel=kernel, quantile=quantile, lam=lam, c_min=c_min, c=c, w=w,
+                          scale=scale, scope=scope)
+    j, r, lo, hi, sat = _sat_token_terms(p, eps_low, eps_high, clip_ratio_c, hp,
+                                         microbatches)
+    loss = _token_mean_loss(j, p)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
-               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, factor=f,
-               min_factor=min_factor)
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, sat=sat)
+    return loss, aux
+
+
+@register("sat_grpo", SatGrpoHParams)
+@_jit_loss
+def sat_grpo_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, mask: Array,
+                  *, eps_low: float, eps_high: float, kernel: Kernel = SAT_DEFAULTS.kernel,
+                  quantile: float = SAT_DEFAULTS.quantile, lam: float = SAT_DEFAULTS.lam,
+                  c_min: float = SAT_DEFAULTS.c_min, c: float = SAT_DEFAULTS.c,
+                  w: float = SAT_DEFAULTS.w, scale: Scale = SAT_DEFAULTS.scale,
+                  scope: Scope = SAT_DEFAULTS.scope,
+                  clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+                  microbatches: int = 1, old_logprobs: Array | None = None,
+                  token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """SAT-GRPO: :func:`sat_ppo_loss`'s token clip with GRPO's reduction (each sequence's
+    token surrogates averaged over its length, then over sequences; :func:`grpo_loss`).
+
+    The authors' SAT-GRPO: the token ratio is "the ratio scalar of its base objective".
+    With no token past the gate the loss and its gradient are :func:`grpo_loss`'s bit for
+    bit.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      SAT, the Staleness-Adaptive Trust Region: the authors' project page
+      (jyyang26.github.io/stable_async_analysis, Eq. 3.1-3.6); GRPO: Shao et al. 2024,
+      arXiv:2402.03300.
+
+    Example (rows of equal length: the value is SAT-PPO's, up to float rounding):
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> d = jnp.array([[0.0, 0.1, -0.1, 0.05, 0.3], [0.1, -0.05, 0.0, 0.1, -0.1]])
+      >>> lp, adv, mask = jnp.full((2, 5), -1.0), jnp.array([1.0, -1.0]), jnp.ones((2, 5))
+      >>> a = losses.sat_grpo_loss(lp, lp - d, adv, mask, eps_low=0.2, eps_high=0.2)[0]
+      >>> b = losses.sat_ppo_loss(lp, lp - d, adv, mask, eps_low=0.2, eps_high=0.2)[0]
+      >>> round(float(a), 6), round(float(b), 6)
+      (-0.001487, -0.001487)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    hp = SatKernelHParams(kernel=kernel, quantile=quantile, lam=lam, c_min=c_min, c=c, w=w,
+                          scale=scale, scope=scope)
+    j, r, lo, hi, sat = _sat_token_terms(p, eps_low, eps_high, clip_ratio_c, hp,
+                                         microbatches)
+    loss = _sequence_mean_loss(j, p)
+    aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
+               lo=lo, hi=hi, eps_low=eps_low, eps_high=eps_high, sat=sat)
     return loss, aux
 
 
@@ -634,9 +796,9 @@ def _dppo(p: Prepared, out_low: Array, out_high: Array,
     drop_low, drop_high = (adv < 0) & out_low & p.valid, (adv > 0) & out_high & p.valid
     coef = jax.lax.stop_gradient(jnp.minimum(r, jnp.asarray(ratio_cap, r.dtype)))
     j = jnp.where(drop_low | drop_high, 0.0, adv * coef * p.lp) * p.w * p.vf
-    loss = -jnp.sum(j) / jnp.maximum(jnp.sum(p.vf), 1.0)
+    loss = _token_mean_loss(j, p)
     aux = _aux(p, ratio=jax.lax.stop_gradient(r), units_valid=p.valid, proxy=p.d_tok,
-               lo=1.0, hi=1.0, eps_low=0.0, eps_high=0.0, factor=None,
+               lo=1.0, hi=1.0, eps_low=0.0, eps_high=0.0, sat=None,
                binds=(drop_low, drop_high))
     return loss, aux
 

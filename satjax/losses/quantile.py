@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 
@@ -9,7 +11,12 @@ from satjax.losses._checks import check_choice
 
 Array = jax.Array
 
-QUANTILE_METHODS = ("auto", "sort", "bisect", "radix", "select")
+# numpy's names for the two quantile definitions offered (``np.quantile(..., method=)``)
+QUANTILE_METHODS = ("linear", "inverted_cdf")
+QUANTILE_ALGORITHMS = ("auto", "sort", "bisect", "radix", "select")
+# "inverted_cdf" with a Python level: the level as a fraction of at most this denominator
+# (0.9 -> 9/10), so the rank needs only int32 products below 2^30 (see _lower_rank).
+_MAX_DENOMINATOR = 1 << 15
 _DIGIT = 16  # radix-select digit width: two 65536-bin histograms cover a 32-bit key
 # "select": the strided sample that brackets the k-th entry, and the bracket's half-width
 # in standard deviations of the sample rank (a miss only costs the radix fallback).
@@ -217,19 +224,50 @@ def _kth_smallest_select(keys: Array, k: Array) -> tuple[Array, Array]:
     return jax.lax.cond(fast, read, lambda: _kth_smallest_radix(keys, k))
 
 
-def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
-                    method: str = "auto") -> Array:
-    """Quantile of the valid entries of ``x`` with numpy's default linear interpolation.
+def _lower_rank(q: float | Array, n: Array) -> Array:
+    """0-based rank of ``inf{x : F(x) >= q}`` among ``n`` sorted entries:
+    ``max(ceil(q n), 1) - 1``, clipped to ``[0, n - 1]``.
 
-    With ``v`` the sorted valid entries (``n`` of them) and ``pos = q (n - 1)``:
-    ``v[floor(pos)] + (v[floor(pos) + 1] - v[floor(pos)]) * (pos - floor(pos))``, i.e.
-    ``np.quantile(x[mask], q)``.
+    A Python ``q`` is read as the decimal it is written as (0.9 is 9/10, not the binary
+    double just above it), and ``ceil(q n)`` is exact integer arithmetic: with
+    ``q = a / b`` and ``n = m b + r``, ``ceil(q n) = a m + ceil(a r / b)``. A traced ``q``
+    (or one whose fraction needs a denominator over 2^15) uses float32 ``ceil(q n)``, which
+    can be one rank off where ``q n`` is within float32 rounding of an integer.
+    """
+    last = jnp.maximum(n - 1, 0)
+    frac = None
+    if isinstance(q, int | float):
+        frac = fractions.Fraction(repr(float(q)))
+        if frac.denominator > _MAX_DENOMINATOR:
+            frac = None
+    if frac is not None:
+        a, b = frac.numerator, frac.denominator
+        need = a * (n // b) + (a * (n % b) + b - 1) // b  # ceil(q n)
+    else:
+        need = jnp.ceil(jnp.asarray(q, jnp.float32) * n.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.clip(jnp.maximum(need, 1) - 1, 0, last)
+
+
+def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
+                    method: str = "linear", algorithm: str = "auto") -> Array:
+    """Quantile of the valid entries of ``x``, as ``np.quantile(x[mask], q, method=method)``.
+
+    With ``v`` the sorted valid entries (``n`` of them):
+
+    * ``method="linear"`` (numpy's default): with ``pos = q (n - 1)``,
+      ``v[floor(pos)] + (v[floor(pos) + 1] - v[floor(pos)]) * (pos - floor(pos))``;
+    * ``method="inverted_cdf"``: the lower empirical quantile ``inf{x : F(x) >= q}``,
+      ``F`` the empirical CDF of the valid entries, i.e. ``v[max(ceil(q n), 1) - 1]``: an
+      entry itself, no interpolation (SAT's gate ``q``, the authors' Eq. 3.3). A Python
+      ``q`` is taken as the decimal it is written as, with exact integer arithmetic for the
+      rank (0.9 of 10 entries is the 9th smallest), so ``q`` must then be static under jit.
 
     Args:
       x: float array of any shape (flattened); valid entries must not be nan.
       q: quantile level in [0, 1].
       mask: 0/1 or bool array of ``x``'s shape; ``None`` means every entry is valid.
-      method: "sort" (invalid entries pushed to +inf, the valid count indexes the sorted
+      method: "linear" or "inverted_cdf", as above.
+      algorithm: "sort" (invalid entries pushed to +inf, the valid count indexes the sorted
         array), "bisect" (exact order statistics by bisection on the float bit pattern:
         32 counting passes), "radix" (radix select on the bit pattern: two scatter-add
         histogram passes; float32 only, float64 uses "bisect"), "select" (a strided
@@ -243,14 +281,22 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     Returns:
       scalar of ``x``'s (float) dtype; 0 when there is no valid entry.
 
+    References:
+      Hyndman & Fan 1996, "Sample Quantiles in Statistical Packages", The American
+      Statistician 50(4) (definitions 1, "inverted_cdf", and 7, "linear"); SAT's gate: the
+      authors' project page, Eq. 3.3 (docs/objectives.md).
+
     Example:
       >>> import jax.numpy as jnp
       >>> from satjax.losses import masked_quantile
       >>> x = jnp.array([4.0, 1.0, 3.0, 2.0, 1e9])
       >>> float(masked_quantile(x, 0.5, x < 100))  # median of [1, 2, 3, 4]
       2.5
+      >>> float(masked_quantile(x, 0.5, x < 100, method="inverted_cdf"))  # F(2) = 0.5
+      2.0
     """
     check_choice("method", method, QUANTILE_METHODS)
+    check_choice("algorithm", algorithm, QUANTILE_ALGORITHMS)
     flat = jnp.ravel(jnp.asarray(x))
     if not jnp.issubdtype(flat.dtype, jnp.floating):
         flat = flat.astype(jnp.float32)
@@ -267,34 +313,38 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
         n = count_true(mask)
         valid = jnp.ravel(mask)
     last = jnp.maximum(n - 1, 0)
-    pos = jnp.asarray(q, dt) * last.astype(dt)
-    i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
+    interpolate = method == "linear"
+    if interpolate:
+        pos = jnp.asarray(q, dt) * last.astype(dt)
+        i0 = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, last)
+    else:
+        i0 = _lower_rank(q, n)
     i1 = jnp.minimum(i0 + 1, last)
-    frac = pos - i0.astype(dt)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
-    if method == "auto":
+    if algorithm == "auto":
         if jax.default_backend() != "cpu":
-            method = "sort"
+            algorithm = "sort"
         else:
-            method = "select" if flat.size >= _RADIX_MIN_SIZE else "bisect"
-    if method in ("radix", "select") and dt != jnp.float32:
-        method = "bisect"
-    if method == "sort":
+            algorithm = "select" if flat.size >= _RADIX_MIN_SIZE else "bisect"
+    if algorithm in ("radix", "select") and dt != jnp.float32:
+        algorithm = "bisect"
+    if algorithm == "sort":
         srt = jnp.sort(filled)
         v0, v1 = srt[i0], srt[i1]
     else:
         keys = _order_key(filled)
-        if method in ("radix", "select"):
-            kth = _kth_smallest_radix if method == "radix" else _kth_smallest_select
+        if algorithm in ("radix", "select"):
+            kth = _kth_smallest_radix if algorithm == "radix" else _kth_smallest_select
             k0, k1 = kth(keys, i0)
             k1 = jnp.where(i1 > i0, k1, k0)
         else:
             k0 = _kth_smallest(keys, i0)
-            # The next order statistic is k0 again if it repeats, else the next larger.
+            # The next order statistic is k0 again if it repeats, else the next larger;
+            # only interpolation reads it (jit drops it otherwise).
             repeats = jnp.sum((keys <= k0).astype(jnp.int32)) >= i1 + 1
             k1 = jnp.where(repeats, k0,
                            jnp.min(jnp.where(keys > k0, keys, jnp.iinfo(keys.dtype).max)))
         v0 = _from_order_key(k0, dt)
         v1 = _from_order_key(k1, dt)
-    val = v0 + (v1 - v0) * frac
+    val = v0 + (v1 - v0) * (pos - i0.astype(dt)) if interpolate else v0
     return jnp.where(n > 0, val, jnp.zeros((), dt))

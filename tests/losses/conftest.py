@@ -57,6 +57,7 @@ def all_losses():
         "ppo_clip": (L.ppo_clip_loss, TOK_EPS),
         "grpo": (L.grpo_loss, TOK_EPS),
         "sat_ppo": (L.sat_ppo_loss, TOK_EPS),
+        "sat_grpo": (L.sat_grpo_loss, TOK_EPS),
         "dppo_tv": (L.dppo_tv_loss, {}),
         "dppo_kl": (L.dppo_kl_loss, {}),
     }
@@ -64,13 +65,14 @@ def all_losses():
 
 @pytest.fixture(scope="session")
 def sat_variants():
-    """(SAT loss, its base loss, radii, SAT kwargs): 6 variants over kernel and proxy."""
+    """(SAT loss, its base loss, radii, SAT kwargs): 15 variants over kernel, proxy and reduction."""
     out = []
-    for kernel in ("hill", "gauss"):
-        out.append((L.sat_gspo_loss, L.gspo_loss, SEQ_EPS, {"kernel": kernel}))
-        out.append((L.sat_gspo_loss, L.gspo_loss, SEQ_EPS,
-                    {"kernel": kernel, "proxy": "token"}))
+    for kernel in ("paper", "smooth", "gauss"):
+        for proxy in ("broadcast", "sequence", "token"):
+            out.append((L.sat_gspo_loss, L.gspo_loss, SEQ_EPS, {"kernel": kernel,
+                                                                  "proxy": proxy}))
         out.append((L.sat_ppo_loss, L.ppo_clip_loss, TOK_EPS, {"kernel": kernel}))
+        out.append((L.sat_grpo_loss, L.grpo_loss, TOK_EPS, {"kernel": kernel}))
     return out
 
 

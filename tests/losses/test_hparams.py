@@ -3,6 +3,7 @@
 import dataclasses
 import inspect
 
+import jax.numpy as jnp
 import pytest
 
 from satjax import losses as L
@@ -15,11 +16,32 @@ _SAT_FIELDS = {f.name for f in dataclasses.fields(H.SatKernelHParams)}
 @pytest.mark.parametrize("field,value", [
     ("eps_low", -0.1), ("eps_high", float("nan")), ("lam", 1.5), ("lam", -0.1), ("c", -1.0),
     ("w", 0.0), ("quantile", 1.2), ("c_min", 2.0), ("kernel", "cauchy"), ("scale", "std"),
-    ("proxy", "row"), ("is_correction", "clip"), ("is_threshold", 0.0), ("is_level", "row"),
+    ("proxy", "row"), ("scope", "step"), ("is_correction", "clip"), ("is_threshold", 0.0),
+    ("is_level", "row"),
 ])
 def test_dataclass_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}: must be .*, got {value!r}$"):
         H.SatGspoHParams(**{field: value})
+
+
+@pytest.mark.parametrize("kernel,field,value", [
+    ("paper", "lam", 0.5), ("paper", "c_min", 0.2), ("paper", "c", 2.0), ("paper", "w", 2.0),
+    ("paper", "scale", "mad"), ("smooth", "c", 2.0), ("smooth", "scale", "mad"),
+    ("gauss", "quantile", 0.8), ("gauss", "c_min", 0.2),
+])
+def test_a_parameter_the_kernel_does_not_read_is_refused(kernel, field, value):
+    """A sweep over lam under the paper's kernel would vary nothing: it is an error, from
+    the dataclass, from the loss functions and from sat_interval alike."""
+    match = rf"^{field}: applies to kernel .*, not {kernel!r}; got {value!r}$"
+    with pytest.raises(ValueError, match=match):
+        H.SatGspoHParams(kernel=kernel, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        L.sat_interval(jnp.ones(4), eps_low=0.2, eps_high=0.2, kernel=kernel,
+                       **{field: value})
+    lp = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match=match):
+        L.sat_ppo_loss(lp, lp, jnp.ones(2), jnp.ones((2, 3)), eps_low=0.2, eps_high=0.2,
+                       kernel=kernel, **{field: value})
 
 
 def test_dataclasses_are_frozen_and_valid_by_default():
@@ -28,6 +50,7 @@ def test_dataclasses_are_frozen_and_valid_by_default():
         with pytest.raises(dataclasses.FrozenInstanceError):
             hp.eps_low = 1.0  # type: ignore[misc]
     assert H.SatGspoHParams(lam=0.0, kernel="gauss").kernel == "gauss"
+    assert H.SatGspoHParams().kernel == "paper" and H.SatGspoHParams().proxy == "broadcast"
 
 
 def test_hparams_unknown_objective_lists_the_names():
@@ -46,11 +69,11 @@ def test_hparams_unknown_key_names_it_and_lists_the_allowed():
 
 def test_hparams_bad_value_is_the_dataclass_message():
     with pytest.raises(ValueError, match=r"^lam: must be <= 1.0, got 2.0$"):
-        objectives.hparams("sat_ppo", {"lam": 2.0})
+        objectives.hparams("sat_ppo", {"kernel": "smooth", "lam": 2.0})
 
 
 def test_hparams_returns_the_objective_dataclass_with_overrides():
-    hp = objectives.hparams("sat_gspo", {"lam": 0.5, "proxy": "token"})
+    hp = objectives.hparams("sat_gspo", {"kernel": "smooth", "lam": 0.5, "proxy": "token"})
     assert isinstance(hp, H.SatGspoHParams)
     assert (hp.lam, hp.proxy, hp.eps_low) == (0.5, "token", H.SatGspoHParams().eps_low)
     assert objectives.hparams("gspo", None) == H.GspoHParams()
@@ -73,7 +96,7 @@ def test_loss_keyword_defaults_are_the_dataclass_defaults(name):
     params = inspect.signature(fn).parameters
     with_defaults = {k: p.default for k, p in params.items()
                      if p.default is not inspect.Parameter.empty
-                     and k not in ("old_logprobs", "token_weights")}
+                     and k not in ("old_logprobs", "token_weights", "microbatches")}
     assert with_defaults == {k: v for k, v in defaults.items()
                              if k in with_defaults}
     # every hyperparameter of the dataclass except the IS ones and the radii is a loss kwarg
@@ -86,7 +109,8 @@ def test_loss_keyword_defaults_are_the_dataclass_defaults(name):
 def test_sat_interval_and_correction_defaults_are_the_dataclass_defaults():
     params = inspect.signature(L.sat_interval).parameters
     sat = dataclasses.asdict(H.SatKernelHParams())
-    assert {k: params[k].default for k in _SAT_FIELDS} == sat
+    del sat["scope"]  # sat_interval is given one micro-batch: it has no scope
+    assert {k: params[k].default for k in _SAT_FIELDS - {"scope"}} == sat
     for fn in (L.tis_weights, L.mis_mask):
         assert inspect.signature(fn).parameters["level"].default == H.HParams.is_level
     params = inspect.signature(L.group_advantages).parameters

@@ -28,15 +28,15 @@ def _batch(seed=0, *, old=False):
 
 
 def test_defaults_match_the_design():
-    for name in ("sat_gspo", "gspo", "gspo_token"):
-        assert objectives.DEFAULTS[name]["eps_low"] == 3e-4
-        assert objectives.DEFAULTS[name]["eps_high"] == 4e-4
-    for name in ("grpo", "ppo_clip", "sat_ppo"):
+    """The SAT paper's recipe: radii (0.2, 0.2) for every clip objective, the paper's
+    kernel at the 0.9 quantile per micro-batch, SAT-GSPO's broadcast sequence proxy."""
+    for name in ("sat_gspo", "gspo", "gspo_token", "grpo", "ppo_clip", "sat_ppo", "sat_grpo"):
         assert objectives.DEFAULTS[name]["eps_low"] == 0.2
-        assert objectives.DEFAULTS[name]["eps_high"] == 0.28
-    for name in ("sat_gspo", "sat_ppo"):
+        assert objectives.DEFAULTS[name]["eps_high"] == 0.2
+    for name in ("sat_gspo", "sat_ppo", "sat_grpo"):
         hp = objectives.DEFAULTS[name]
-        assert (hp["c"], hp["w"], hp["lam"], hp["kernel"]) == (1.0, 1.0, 1.0, "hill")
+        assert (hp["kernel"], hp["quantile"], hp["scope"]) == ("paper", 0.9, "microbatch")
+    assert objectives.DEFAULTS["sat_gspo"]["proxy"] == "broadcast"
     assert all(hp["is_correction"] is None for hp in objectives.DEFAULTS.values())
 
 
@@ -88,8 +88,8 @@ def test_mis_wiring(old):
     loss, aux = objectives.sat_gspo(is_correction="mis", is_threshold=1.05,
                                     is_level="sequence")(lp, batch)
     m = losses.mis_mask(trainer, mu, threshold=1.05, mask=mask, level="sequence")
-    ref, _ = losses.sat_gspo_loss(lp, mu, adv, mask, token_weights=m, eps_low=3e-4,
-                                  eps_high=4e-4, old_logprobs=batch.get("old_logprobs"))
+    ref, _ = losses.sat_gspo_loss(lp, mu, adv, mask, token_weights=m, eps_low=0.2,
+                                  eps_high=0.2, old_logprobs=batch.get("old_logprobs"))
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
     assert 0.0 <= float(aux["is_kept_frac"]) <= 1.0
 
@@ -100,7 +100,7 @@ def test_tis_wiring_with_old_logprobs():
     loss, aux = objectives.ppo_clip(is_correction="tis", is_threshold=1.1)(lp, batch)
     w = losses.tis_weights(batch["old_logprobs"], mu, threshold=1.1, mask=mask)
     ref, _ = losses.ppo_clip_loss(lp, mu, adv, mask, token_weights=w, eps_low=0.2,
-                                  eps_high=0.28, old_logprobs=batch["old_logprobs"])
+                                  eps_high=0.2, old_logprobs=batch["old_logprobs"])
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
     assert float(aux["is_weight_mean"]) <= 1.1
 
@@ -135,7 +135,7 @@ def test_decoupled_tis_per_token_gradient_is_the_capped_proximal_weight():
     obj = objectives.ppo_clip(is_correction="tis", is_threshold=2.0)
     g = np.asarray(jax.grad(lambda x: obj(x, batch)[0])(jnp.asarray(lp, jnp.float32)))
     w = np.minimum(rho_prox, 2.0)
-    ref = _ppo_token_grad_ref(lp, old, mu, adv, mask, eps_low=0.2, eps_high=0.28, w=w)
+    ref = _ppo_token_grad_ref(lp, old, mu, adv, mask, eps_low=0.2, eps_high=0.2, w=w)
     np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-7)
     # Token 0: pi/mu = 0.6 -> weight 0.6, gradient -0.6 * A / N.
     np.testing.assert_allclose(g[0, 0], -0.6 * 1.5 / 6, rtol=1e-5)
@@ -161,10 +161,10 @@ def test_mis_without_old_logprobs_takes_both_bounds():
     assert 0 < keep.sum() < mask.sum()  # the band drops something on each side
     assert ((r < 0.5) & mask).any() and ((r > 5.0) & mask).any()
     a = adv[:, None]
-    surr = np.where(a >= 0, np.minimum(r, 1.28), np.maximum(r, 0.8)) * a
+    surr = np.where(a >= 0, np.minimum(r, 1.2), np.maximum(r, 0.8)) * a
     ref_loss = -np.sum(np.where(keep, surr, 0.0)) / mask.sum()
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    ref_g = _ppo_token_grad_ref(lp, mu, mu, adv, mask, eps_low=0.2, eps_high=0.28,
+    ref_g = _ppo_token_grad_ref(lp, mu, mu, adv, mask, eps_low=0.2, eps_high=0.2,
                                 w=keep.astype(float))
     np.testing.assert_allclose(np.asarray(g), ref_g, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(float(aux["is_kept_frac"]), keep.sum() / mask.sum(),

@@ -12,7 +12,7 @@ from satjax import losses as L
 FAST = settings(max_examples=5, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
-_QUANTILE = {m: jax.jit(lambda x, q, mask, m=m: L.masked_quantile(x, q, mask, method=m))
+_QUANTILE = {m: jax.jit(lambda x, q, mask, m=m: L.masked_quantile(x, q, mask, algorithm=m))
              for m in ("sort", "bisect", "radix", "select")}
 
 
@@ -37,7 +37,7 @@ def test_masked_quantile_matches_numpy(seed, n_valid, q, ties):
 def test_masked_quantile_empty_mask_is_zero():
     for method in _QUANTILE:
         assert float(L.masked_quantile(jnp.ones(4), 0.9, jnp.zeros(4, bool),
-                                       method=method)) == 0.0
+                                       algorithm=method)) == 0.0
 
 
 def test_masked_quantile_rejects_an_unknown_method():
@@ -112,3 +112,57 @@ def test_select_with_few_valid_entries_in_a_large_batch_is_the_sort(n_valid, val
         assert got.tobytes() == ref.tobytes(), (n_valid, values, q)
         want = np.quantile(x[m].astype(np.float64), q) if n_valid else 0.0
         np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _lower_quantile_reference(values: np.ndarray, level: float) -> float:
+    """inf{x : F(x) >= level} straight from the definition (the SAT authors' Eq. 3.3): the
+    smallest entry whose empirical CDF reaches the level, compared as exact fractions."""
+    import fractions
+
+    vals = sorted(float(v) for v in values)
+    n, want = len(vals), fractions.Fraction(repr(level))
+    for v in vals:
+        if fractions.Fraction(sum(x <= v for x in vals), n) >= want:
+            return v
+    return vals[-1]
+
+
+_LOWER = {a: jax.jit(lambda x, mask, a=a: L.masked_quantile(x, 0.9, mask, method="inverted_cdf",
+                                                            algorithm=a))
+          for a in ("sort", "bisect", "radix", "select")}
+
+
+@pytest.mark.parametrize("n_valid", [1, 2, 9, 10, 11, 19, 20, 30, 100, 257])
+@pytest.mark.parametrize("ties", [False, True])
+def test_lower_quantile_is_the_definition_and_numpys_inverted_cdf(n_valid, ties):
+    """At n = 10, 20, 30, 100 the level hits a rank exactly (0.9 n is an integer): the 9th
+    of 10 entries, not the 10th, where a float-rounded 0.9 * n would be one rank off."""
+    rng = np.random.default_rng(n_valid)
+    x = np.abs(rng.standard_t(2, 300)).astype(np.float32)
+    if ties:
+        x = np.round(x, 1)
+    m = np.zeros(300, bool)
+    m[rng.permutation(300)[:n_valid]] = True
+    ref = _lower_quantile_reference(x[m], 0.9)
+    assert ref == np.quantile(x[m], 0.9, method="inverted_cdf")
+    for algorithm, fn in _LOWER.items():
+        assert float(fn(jnp.asarray(x), jnp.asarray(m))) == ref, algorithm
+
+
+@pytest.mark.parametrize("level", [0.5, 0.9, 0.95, 0.99, 0.1])
+def test_lower_quantile_rank_is_exact_at_many_sizes(level):
+    """Entries 1..n: the lower quantile is ceil(level n) exactly, for every n to 2000."""
+    for n in range(1, 2001, 7):
+        x = jnp.arange(1, n + 1, dtype=jnp.float32)
+        got = float(L.masked_quantile(x, level, method="inverted_cdf", algorithm="sort"))
+        assert got == _lower_quantile_reference(np.arange(1, n + 1), level), n
+
+
+def test_lower_quantile_on_a_large_batch_is_the_same_for_every_algorithm():
+    rng = np.random.default_rng(7)
+    x = np.abs(rng.standard_t(3, (256, 1024)) * 0.05).astype(np.float32)
+    x[:, :64] = np.round(x[:, :64], 2)
+    m = rng.random(x.shape) < 0.7
+    got = {a: np.asarray(fn(jnp.asarray(x), jnp.asarray(m))) for a, fn in _LOWER.items()}
+    assert len({v.tobytes() for v in got.values()}) == 1
+    assert float(got["sort"]) == np.quantile(x[m], 0.9, method="inverted_cdf")

@@ -42,13 +42,14 @@ def test_the_prepared_batch_is_a_typed_pytree():
 
 @pytest.mark.parametrize("kernel", H.KERNELS)
 def test_the_sat_kernel_reads_one_hyperparameter_object(kernel):
-    d = jnp.array([0.0, 0.01, -0.02, 0.03, 5.0])
-    valid = jnp.ones(5, bool)
+    d = jnp.array([0.0, 0.01, -0.02, 0.03, 0.01, 0.0, -0.01, 0.02, 0.01, 0.01, 5.0])
+    valid = jnp.ones(d.shape, bool)
     hp = H.SatKernelHParams(kernel=kernel)
-    f = sat.tail_factor(d, valid, hp)
+    f = sat.tail_kernel(d, valid, hp).phi(jnp.abs(d))
     assert float(f[-1]) < 1.0 and float(f[0]) == 1.0  # the stale entry is contracted
-    off = sat.tail_factor(d, valid, dataclasses.replace(hp, lam=0.0))
-    np.testing.assert_array_equal(off, np.ones(5))  # lam 0: no contraction at all
+    if kernel != "paper":  # lam 0: no contraction at all (the paper's kernel has no lam)
+        off = sat.tail_kernel(d, valid, dataclasses.replace(hp, lam=0.0)).phi(jnp.abs(d))
+        np.testing.assert_array_equal(off, np.ones(d.shape))
     lo, hi = losses.sat_interval(d, eps_low=0.2, eps_high=0.2, kernel=kernel)
     np.testing.assert_allclose(hi, 1.0 + 0.2 * np.where(np.asarray(d) > 0, f, 1.0),
                                rtol=1e-6)

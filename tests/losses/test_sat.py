@@ -15,14 +15,15 @@ FAST = settings(max_examples=5, deadline=None,
 
 @FAST
 @given(seed=st.integers(0, 10_000), log_scale=st.floats(-4, 1.5),
-       kernel=st.sampled_from(["hill", "gauss"]), two_d=st.booleans(),
+       kernel=st.sampled_from(["paper", "smooth", "gauss"]), two_d=st.booleans(),
        lam=st.floats(0, 1), c=st.floats(0, 3))
 def test_interval_containment_and_sign(seq_eps, seed, log_scale, kernel, two_d, lam, c):
     rng = np.random.default_rng(seed)
     shape = (6, 8) if two_d else (6,)
     d = jnp.asarray(10**log_scale * rng.standard_t(2, shape), jnp.float32)
     mask = jnp.asarray(rng.random(shape) < 0.7)
-    lo, hi = L.sat_interval(d, mask=mask, kernel=kernel, lam=lam, c=c, **seq_eps)
+    kw = {"paper": {}, "smooth": {"lam": lam}, "gauss": {"lam": lam, "c": c}}[kernel]
+    lo, hi = L.sat_interval(d, mask=mask, kernel=kernel, **kw, **seq_eps)
     lo, hi, d = map(np.asarray, (lo, hi, d))
     assert np.all(lo >= np.float32(1 - seq_eps["eps_low"])) and np.all(lo <= 1)
     assert np.all(hi <= np.float32(1 + seq_eps["eps_high"])) and np.all(hi >= 1)
@@ -38,7 +39,7 @@ def test_interval_containment_and_sign(seq_eps, seed, log_scale, kernel, two_d, 
 def test_sign_selection_contracts_the_tail_end():
     ordinary = np.linspace(-0.03, 0.03, 20)
     d = jnp.asarray(np.concatenate([[5.0, -5.0], ordinary]), jnp.float32)
-    for kernel in ("hill", "gauss"):
+    for kernel in ("paper", "smooth", "gauss"):
         lo, hi = L.sat_interval(d, eps_low=0.2, eps_high=0.3, kernel=kernel)
         assert hi[0] < 1.3 and lo[0] == pytest.approx(0.8)
         assert lo[1] > 0.8 and hi[1] == pytest.approx(1.3)
@@ -51,7 +52,7 @@ def test_clipped_surrogate_pessimism_with_sat_bounds(tok_eps):
     d = jnp.asarray(rng.standard_t(2, 400) * 0.5, jnp.float32)
     ratio = jnp.exp(d + jnp.asarray(rng.normal(0, 0.1, 400), jnp.float32))
     a = jnp.asarray(rng.normal(size=400), jnp.float32)
-    for kernel in ("hill", "gauss"):
+    for kernel in ("paper", "smooth", "gauss"):
         lo, hi = L.sat_interval(d, kernel=kernel, **tok_eps)
         j_sat = L.clipped_surrogate(ratio, a, lo, hi)
         j_ppo = L.clipped_surrogate(ratio, a, 0.8, 1.28)
@@ -59,7 +60,7 @@ def test_clipped_surrogate_pessimism_with_sat_bounds(tok_eps):
         assert np.any(np.asarray(j_sat) < np.asarray(j_ppo))  # SAT actually bites
 
 
-@pytest.mark.parametrize("kernel", ["hill", "gauss"])
+@pytest.mark.parametrize("kernel", ["paper", "smooth", "gauss"])
 @pytest.mark.parametrize("two_d", [False, True])
 def test_proxy_carries_no_gradient(tok_eps, kernel, two_d):
     rng = np.random.default_rng(0)
