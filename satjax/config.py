@@ -207,6 +207,9 @@ class TrainConfig:
     replay: Literal["off", "experts", "gates", True, False] = "experts"
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
+    # > 0: weights broadcast every N versions, the rollout one step ahead (slime's
+    # --update-weights-interval): the served lag cycles 1..N (satjax/train/lag_schedule.py)
+    broadcast_every: int = 0
     # published weights: every Nth version full, the others XOR deltas of the one before
     keyframe_every: int = 10
     buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
@@ -444,6 +447,15 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.keyframe_every >= 1, "train.keyframe_every", ">= 1 (1: every version full)")
     need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
          "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
+    need(cfg.train.broadcast_every >= 0, "train.broadcast_every", ">= 0 (0: off)")
+    need(cfg.train.broadcast_every == 0 or cfg.train.exact_lag < 0, "train.broadcast_every",
+         "0 when train.exact_lag >= 0 (one lag schedule: exact lag or broadcast interval)")
+    need(cfg.train.broadcast_every <= cfg.train.max_lag, "train.broadcast_every",
+         "<= train.max_lag (the lag it serves reaches broadcast_every)")
+    need(cfg.train.broadcast_every == 0 or cfg.train.mismatch_target is None,
+         "train.broadcast_every", "0 with train.mismatch_target (the broadcast fixes the lag)")
+    need(cfg.train.broadcast_every == 0 or not cfg.rollout.partial, "train.broadcast_every",
+         "0 with rollout.partial (a broadcast waits for the rollout in flight)")
     buckets = cfg.train.buckets
     need(len(buckets) >= 1 and min(buckets) >= 1 and list(buckets) == sorted(set(buckets)),
          "train.buckets", "a non-empty, increasing list of positive lengths")

@@ -179,6 +179,28 @@ def test_range_errors_say_what_and_got():
         check_resources(load_config(overrides=["task.name=jsonl"]))
 
 
+def test_broadcast_interval_is_one_lag_schedule_within_max_lag():
+    cfg = load_config(overrides=["train.max_lag=8", "train.broadcast_every=8"])
+    assert (cfg.train.broadcast_every, cfg.train.exact_lag) == (8, -1)
+    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be 0 when "
+                                          r"train\.exact_lag >= 0 .*, got 8$"):
+        load_config(overrides=["train.max_lag=8", "train.broadcast_every=8",
+                               "train.exact_lag=8"])
+    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be <= "
+                                          r"train\.max_lag .*, got 8$"):
+        load_config(overrides=["train.broadcast_every=8"])  # max_lag 2 would drop lags 3..8
+    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be >= 0"):
+        load_config(overrides=["train.broadcast_every=-1"])
+    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be 0 with "
+                                          r"train\.mismatch_target"):
+        load_config(overrides=["train.max_lag=4", "train.broadcast_every=4",
+                               "train.mismatch_target=0.1"])
+    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be 0 with "
+                                          r"rollout\.partial"):
+        load_config(overrides=["train.max_lag=4", "train.broadcast_every=4",
+                               "rollout.partial=true"])
+
+
 def test_config_module_is_jax_free():
     # the queue server imports the config for its flag defaults; it must stay light
     code = "import sys, satjax.config; sys.exit('jax' in sys.modules)"

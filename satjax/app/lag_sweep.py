@@ -10,6 +10,13 @@ batch is a partial rollout: its first decode segment is sampled by the policy ``
 versions old, the rest (from its KV cache) by the next version, as a worker that received
 that version mid-batch would; the lag of a run is its oldest tokens'.
 
+``--lag-mode broadcast`` reads each of ``--lags`` as a weight-broadcast interval N
+(``train.broadcast_every``) instead: the SAT paper's "lag 8" (slime's
+``--update-weights-interval 8`` with the rollout one step ahead), where the batch of step
+k is sampled by version ``N * ((k - 1) // N)``, so its lag cycles 1..N
+(``satjax/train/lag_schedule.py``). Its runs are named ``<variant>-bcast<N>-seed<s>``, beside
+the exact-lag runs (``<variant>-lag<L>-seed<s>``) in the same ``--out``.
+
 Outputs under ``--out``: ``runs/<name>/logs/metrics.jsonl`` and ``result.json`` per run
 (a finished run whose full config is unchanged is skipped on re-run, so an interrupted
 sweep loses nothing; a changed setting re-runs it),
@@ -103,7 +110,8 @@ def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out
                warmup_dir: str, steps: int, seq_eps: tuple[float, float] | None):
     """The full config of one run: the base config and ``overrides`` (see
     :func:`split_overrides`), the variant's objective with its own default hyperparameters
-    (then ``seq_eps`` for the GSPO family, then the ``objective.*`` overrides), the lag."""
+    (then ``seq_eps`` for the GSPO family, then the ``objective.*`` overrides), the lag
+    (an exact lag or a broadcast interval, ``spec.lag_mode``; the other one off)."""
     from satjax.config import load_config
 
     common, per_variant = split_overrides(overrides)
@@ -111,9 +119,13 @@ def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out
     variant = VARIANTS[spec.variant]
     cfg = load_config(base_config, [
         *(o for o in common if not o.startswith("objective.")),
-        f"run_dir={spec.run_dir(out)}", f"seed={spec.seed}", f"model.path={warmup_dir}",
+        # the path quoted: "" (no warm-up, a fresh policy) stays a string, not YAML's null
+        f"run_dir={spec.run_dir(out)}", f"seed={spec.seed}",
+        f"model.path={json.dumps(warmup_dir)}",
         f"objective.name={variant['objective']}", f"train.replay={variant['replay']}",
-        f"train.steps={steps}", f"train.max_lag={spec.lag}", f"train.exact_lag={spec.lag}",
+        f"train.steps={steps}", f"train.max_lag={spec.lag}",
+        *([f"train.exact_lag={spec.lag}", "train.broadcast_every=0"] if spec.lag_mode == "exact"
+          else ["train.exact_lag=-1", f"train.broadcast_every={spec.lag}"]),
         "objective.hparams={}",
         *([f"objective.hparams.eps_low={seq_eps[0]}", f"objective.hparams.eps_high={seq_eps[1]}"]
           if seq_eps and variant["sequence_level"] else []),
@@ -168,6 +180,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     from satjax.rollout.builtin_engine import BuiltinEngine
     from satjax.rollout.worker import GroupSampler
     from satjax.run_dir import RunDirs
+    from satjax.train.lag_schedule import served_version
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
     from satjax.utils import atomic_write
@@ -196,15 +209,19 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
         model = current_model()
         return nnx.graphdef(model), jax.tree.map(lambda x: x.copy(), nnx.state(model))
 
-    history: collections.deque = collections.deque(maxlen=spec.lag + 1)
+    history: collections.deque = collections.deque(maxlen=spec.lag + 1)  # lag <= spec.lag
     history.append(snapshot())
     curve, rewards = [], []
     with MetricsLogger(RunDirs(run_dir).logs, tensorboard=False) as mlog:
         for step in range(steps):
-            # exactly `lag` versions old (or v0 early on); under train.mismatch_target, the
-            # lag its controller admits now (train.max_lag is `lag`, so never more)
-            lag = min(trainer.lag_limit, len(history) - 1)
-            engine.set_model(nnx.merge(*history[-1 - lag]), trainer.policy_version - lag)
+            # the schedule's version (exact: `lag` versions old, or v0 early on; broadcast:
+            # the newest multiple of `lag` before this version); under
+            # train.mismatch_target, at most the lag its controller admits now
+            version = trainer.policy_version
+            served = served_version(version, cfg.train)
+            assert served is not None, "a sweep run sets exact_lag or broadcast_every"
+            lag = min(trainer.lag_limit, version - served)
+            engine.set_model(nnx.merge(*history[-1 - lag]), version - lag)
             trajectories = sampler.sample(
                 _next_version(engine, history, lag) if cfg.rollout.partial else None)
             metrics = trainer.train_on(trajectories)  # lag_mean: `lag`
@@ -219,7 +236,8 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
             mlog.log(step + 1, metrics)
     trainer.close()
     result = {
-        "variant": spec.variant, "lag": spec.lag, "seed": spec.seed, "steps": steps,
+        "variant": spec.variant, "lag": spec.lag, "lag_mode": spec.lag_mode,
+        "seed": spec.seed, "steps": steps,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
         "rewards": rewards, "seconds": time.time() - t0, "key": key,
     }
@@ -271,7 +289,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--variants", default=None,
                    help=f"comma-separated objectives to compare (default: {','.join(VARIANTS)})")
     p.add_argument("--lags", default="1,2,4,8,16",
-                   help="comma-separated exact policy lags (default: %(default)s)")
+                   help="comma-separated policy lags: exact lags, or broadcast intervals "
+                        "under --lag-mode broadcast (default: %(default)s)")
+    p.add_argument("--lag-mode", choices=("exact", "broadcast"), default="exact",
+                   help="exact: each batch sampled by the policy exactly L versions old "
+                        "(train.exact_lag); broadcast: weights broadcast every L versions, "
+                        "the rollout one step ahead, so the lag cycles 1..L "
+                        "(train.broadcast_every; the SAT paper's 'lag 8') (default: "
+                        "%(default)s)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
     p.add_argument("--steps", type=int, default=60,
                    help="RL steps per run (default: %(default)s)")
@@ -313,11 +338,13 @@ def main(argv: list[str]) -> int:
         p.error(f"--seq-eps: must be LOW,HIGH or 'own', got {args.seq_eps!r}")
     if min(lags) < 0 or args.steps < 1 or args.eval_every < 1 or args.jobs < 1:
         p.error("--lags must be >= 0; --steps, --eval-every and --jobs >= 1")
+    if args.lag_mode == "broadcast" and min(lags) < 1:
+        p.error("--lags: broadcast intervals must be >= 1 (--lag-mode broadcast)")
     if args.selection:
         variants, lags = [SELECTION_VARIANT], sorted({min(lags), max(lags)})
-    specs = [RunSpec(v, lag, s) for v in variants for lag in lags for s in seeds]
+    specs = [RunSpec(v, lag, s, args.lag_mode) for v in variants for lag in lags for s in seeds]
     if args.selection:  # the mechanism check: SAT-GSPO at the largest lag, no score read
-        specs += [RunSpec(MECHANISM_VARIANT, max(lags), s) for s in seeds]
+        specs += [RunSpec(MECHANISM_VARIANT, max(lags), s, args.lag_mode) for s in seeds]
     out = Path(args.out)
     compile_cache = (None if args.compile_cache == "none"
                      else str((Path(args.compile_cache) if args.compile_cache
@@ -354,7 +381,8 @@ def main(argv: list[str]) -> int:
     stale = sum(s.result_path(out).exists() for s in todo)
     sweep = {
         "argv": argv, "selection": args.selection, "config": args.config,
-        "overrides": args.overrides, "variants": variants, "lags": lags, "seeds": seeds,
+        "overrides": args.overrides, "variants": variants, "lags": lags,
+        "lag_mode": args.lag_mode, "seeds": seeds,
         "steps": args.steps, "eval_every": args.eval_every, "jobs": args.jobs,
         "seq_eps": seq_eps, "warmup": warmup, "warmup_avg_at_k": warmup_score,
         "k": warmup_cfg.eval.k, "versions": versions_line(VERSION_PACKAGES),

@@ -157,8 +157,12 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
     lo, hi = min(lags), max(lags)
     seeds = sorted({r["seed"] for r in results})
     warm = "" if warmup_avg_at_k is None else f" Warm-up policy: {warmup_avg_at_k:.3f}."
+    # a broadcast sweep's "lag N" is its weight-broadcast interval, not one fixed lag
+    mode = (" Lag N: weights broadcast every N versions, the rollout one step ahead "
+            "(served lag 1..N)." if any(RunSpec.of(r).lag_mode == "broadcast"
+                                        for r in results) else "")
     text = [f"Final avg@{k} on the held-out split: mean ± 95% t-interval half-width over "
-            f"{len(seeds)} seed(s).{warm}", "",
+            f"{len(seeds)} seed(s).{warm}{mode}", "",
             "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
             "|---" * (len(lags) + 1) + "|"]
     for v in variants:
@@ -340,8 +344,8 @@ RunKey = tuple[str, int, int]  # (variant, lag, seed)
 
 def run_metrics(results: list[dict[str, Any]], out: Path) -> dict[RunKey, list[dict[str, Any]]]:
     """Each run's per-step metrics rows (``logs/metrics.jsonl`` in its run directory)."""
-    keys = [(r["variant"], r["lag"], r["seed"]) for r in results]
-    return {key: _read_metrics(RunDirs(RunSpec(*key).run_dir(out)).metrics) for key in keys}
+    return {(r["variant"], r["lag"], r["seed"]):
+            _read_metrics(RunDirs(RunSpec.of(r).run_dir(out)).metrics) for r in results}
 
 
 def run_means(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, Any]]],

@@ -22,6 +22,7 @@ from satjax.run_dir import RunDirs
 from satjax.train.batch import Batch, make_batch
 from satjax.train.checkpoint import Checkpointer
 from satjax.train.lag_control import LagController
+from satjax.train.lag_schedule import served_version
 from satjax.train.metrics import to_scalars, trajectory_metrics
 from satjax.train.publish import ShardedPublisher
 from satjax.train.state import TrainState, make_optimizer
@@ -114,8 +115,9 @@ class Trainer:
             if self.lag_controller is not None and "lag_controller" in r.loop_state:
                 self.lag_controller.load_state_dict(r.loop_state["lag_controller"])
             log.info("resumed at step %d (queue cursor %d)", self.step, self.queue_cursor)
-        # exact-lag workers serve version latest - exact_lag, so keep it and the two newest
-        keep = max(3, cfg.train.exact_lag + 2)
+        # the workers' target (exact lag, broadcast interval) is at most that many versions
+        # old: keep it, the target before it (a worker may still be loading it), the newest
+        keep = max(3, max(t.exact_lag, t.broadcast_every) + 2)
         self.canary_tokens = self.tokenizer.encode(CANARY_TEXT, add_bos=True, add_eos=True)
         # published in the compute dtype: the policy as it runs (bf16 over float32 masters
         # is half the bytes), with deltas between keyframes
@@ -153,11 +155,9 @@ class Trainer:
         publish is finished first, and its error, if any, raised here.
         """
         v = self.policy_version
-        lag = self.cfg.train.exact_lag
         # the policy given to __init__; TrainState holds any nnx.Module
         model = cast(Qwen3MoeForCausalLM, self.train_state().model)
-        self.publisher.publish(model, v,
-                               target_version=max(0, v - lag) if lag >= 0 else None)
+        self.publisher.publish(model, v, target_version=served_version(v, self.cfg.train))
 
     def wait_published(self) -> None:
         """Blocks until the last :meth:`publish` is visible to workers; raises its error."""

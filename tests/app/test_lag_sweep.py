@@ -109,6 +109,36 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
 
 
 @pytest.mark.slow
+def test_broadcast_interval_run_serves_lags_cycling_one_to_n(tmp_path):
+    """``--lag-mode broadcast``: a run with interval 4, driven in-process (``run_one``)
+    from a fresh tiny policy; each step's logged served lag follows slime's schedule
+    (0, then 1..4 from version 0, then 1.. from version 4)."""
+    from satjax.app import lag_sweep
+    from satjax.train.lag_schedule import served_version
+
+    spec = RunSpec("gspo", 4, 0, "broadcast")
+    assert spec.name == "gspo-bcast4-seed0"
+    steps = 7
+    cfg = lag_sweep.run_config(
+        spec, None,
+        ["eval.num_prompts=4", "eval.k=2", "rollout.prompts_per_step=2",
+         "rollout.group_size=4", "train.mesh={data: 1}"], str(tmp_path), "", steps, None)
+    assert (cfg.train.broadcast_every, cfg.train.exact_lag, cfg.train.max_lag) == (4, -1, 4)
+    result = lag_sweep.run_one(spec, cfg, str(tmp_path), steps, "key")
+    assert (result["lag"], result["lag_mode"]) == (4, "broadcast")
+    records = [json.loads(line) for line in
+               (spec.run_dir(tmp_path) / "logs" / "metrics.jsonl").open()]
+    lags = [m["lag_mean"] for m in records]
+    assert lags == [0.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0]
+    assert lags == [k - served_version(k, cfg.train) for k in range(steps)]
+    assert all(m["lag_max"] == m["lag_mean"] for m in records)  # one version per batch
+    # the exact-lag spelling of the same numbers is another run, next to it
+    assert RunSpec.of(result) == spec != RunSpec("gspo", 4, 0)
+    exact = lag_sweep.run_config(RunSpec("gspo", 4, 0), None, [], str(tmp_path), "", 3, None)
+    assert (exact.train.broadcast_every, exact.train.exact_lag) == (0, 4)
+
+
+@pytest.mark.slow
 def test_partial_rollout_runs_move_to_the_next_version_mid_batch(tmp_path):
     """``--set rollout.partial=true``: after its first decode segment each batch is sampled
     by the next version, so its oldest tokens have the run's lag and the rest one less."""
