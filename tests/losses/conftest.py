@@ -65,7 +65,7 @@ def all_losses():
 
 @pytest.fixture(scope="session")
 def sat_variants():
-    """(SAT loss, its base loss, radii, SAT kwargs): 15 variants over kernel, proxy and reduction."""
+    """(SAT loss, base loss, radii, SAT kwargs): 15 variants over kernel, proxy, reduction."""
     out = []
     for kernel in ("paper", "smooth", "gauss"):
         for proxy in ("broadcast", "sequence", "token"):
