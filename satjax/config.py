@@ -200,6 +200,9 @@ class TrainConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    # Adam's moment decays (the SAT paper's recipe: b1 0.9, b2 0.98, constant lr 1e-6)
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     remat: Remat = "none"  # per decoder layer: full keeps only its input, dots also matmuls
@@ -462,6 +465,8 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.max_grad_norm > 0, "train.max_grad_norm", "> 0")
     need(cfg.train.warmup_steps >= 0, "train.warmup_steps", ">= 0")
     need(cfg.train.weight_decay >= 0, "train.weight_decay", ">= 0")
+    need(0 <= cfg.train.adam_b1 < 1, "train.adam_b1", ">= 0 and < 1")
+    need(0 <= cfg.train.adam_b2 < 1, "train.adam_b2", ">= 0 and < 1")
     need(cfg.sft.steps >= 0, "sft.steps", ">= 0")
     need(cfg.sft.batch_size >= 1, "sft.batch_size", ">= 1")
     need(cfg.sft.learning_rate > 0, "sft.learning_rate", "> 0")

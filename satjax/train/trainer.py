@@ -42,10 +42,10 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def run_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The run's optimizer (``train.*``: schedule, clipping, weight decay)."""
+    """The run's optimizer (``train.*``: schedule, clipping, Adam's decays, weight decay)."""
     t = cfg.train
-    return make_optimizer(lr_schedule(t), max_grad_norm=t.max_grad_norm,
-                          weight_decay=t.weight_decay)
+    return make_optimizer(lr_schedule(t), max_grad_norm=t.max_grad_norm, b1=t.adam_b1,
+                          b2=t.adam_b2, weight_decay=t.weight_decay)
 
 
 def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,

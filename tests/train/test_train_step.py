@@ -197,6 +197,35 @@ def test_optimizer_clips_by_global_norm():
     assert not np.allclose(up_c["w"], up_u["w"])
 
 
+def _adam_moments(opt_state):
+    """(mu, nu) of the one ScaleByAdamState in an optax state."""
+    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    return np.asarray(adam.mu["w"]), np.asarray(adam.nu["w"])
+
+
+@pytest.mark.parametrize("overrides, b1, b2", [([], 0.9, 0.999),
+                                               (["train.adam_b1=0.8", "train.adam_b2=0.98"],
+                                                0.8, 0.98)])
+def test_run_optimizer_threads_adams_decays(overrides, b1, b2):
+    """train.adam_b1 / adam_b2 reach Adam: after updates with g1, g2 (under the clip)
+    mu = b1 (1 - b1) g1 + (1 - b1) g2 and nu = b2 (1 - b2) g1^2 + (1 - b2) g2^2."""
+    from satjax.config import load_config
+    from satjax.train.trainer import run_optimizer
+
+    tx = run_optimizer(load_config(None, overrides))
+    params = {"w": np.zeros(2, np.float32)}
+    g1, g2 = np.asarray([0.3, -0.4], np.float32), np.asarray([0.1, 0.2], np.float32)
+    state = tx.init(params)
+    for g in (g1, g2):
+        _, state = tx.update({"w": g}, state, params)
+    mu, nu = _adam_moments(state)
+    np.testing.assert_allclose(mu, b1 * (1 - b1) * g1 + (1 - b1) * g2, rtol=1e-5)
+    np.testing.assert_allclose(nu, b2 * (1 - b2) * g1 ** 2 + (1 - b2) * g2 ** 2, rtol=1e-5)
+    with pytest.raises(ValueError, match="b2: must be >= 0 and < 1, got 1.0"):
+        make_optimizer(0.1, max_grad_norm=None, b2=1.0)
+
+
 def _staleness_reference(lp, mu, mask):
     """numpy: token_gate_frac, token_extreme_frac and k3 KL as the docstrings define them."""
     lp, mu, valid = np.asarray(lp, np.float64), np.asarray(mu, np.float64), np.asarray(mask) > 0
