@@ -188,9 +188,12 @@ class ObjectiveConfig:
     # token-sized radius. ``objective.hparams={}`` restores the objective's own defaults.
     hparams: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"eps_low": 0.05, "eps_high": 0.07})
-    # + kl_coef * KL(policy || reference) per token (k1 | k2 | k3 estimator, token mean)
+    # + kl_coef * KL(policy || reference): the estimator (k1 | k2 | k3 | low_var_kl, verl's
+    # clamped k3) per token, token mean (kl_level token); or of each row's length-normalised
+    # log-ratio, row mean (sequence: our reading of the SAT page's "sequence-level KL")
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    kl_level: Literal["token", "sequence"] = "token"
     entropy_coef: float = 0.0  # - entropy_coef * token entropy (token mean)
 
 

@@ -150,6 +150,7 @@ class _TrainStep:
         mini_batches: int,
         kl_coef: float,
         kl_estimator: str,
+        kl_level: str,
         entropy_coef: float,
         reference: nnx.State | None,
     ) -> None:
@@ -169,6 +170,8 @@ class _TrainStep:
         if kl_estimator not in losses.KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: must be one of {losses.KL_ESTIMATORS}, got "
                              f"{kl_estimator!r}")
+        if kl_level not in losses.KL_LEVELS:
+            raise ValueError(f"kl_level: must be one of {losses.KL_LEVELS}, got {kl_level!r}")
         if kl_coef > 0 and reference is None:
             raise ValueError("reference: kl_coef > 0 needs the reference policy's parameters")
         self.graphdef = graphdef
@@ -186,6 +189,7 @@ class _TrainStep:
         self.mini_batches = mini_batches
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
+        self.kl_level = kl_level
         self.entropy_coef = entropy_coef
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -282,14 +286,13 @@ class _TrainStep:
             if ref_lp is None and ent is None:
                 return loss, oaux
             terms = {"policy_loss": loss}
-            valid = obj_batch["mask"] > 0
             if ref_lp is not None:
-                kl = losses.masked_mean(losses.kl_penalty(lp, ref_lp, obj_batch["mask"],
-                                                          self.kl_estimator), valid)
+                kl = losses.reference_kl(lp, ref_lp, obj_batch["mask"],
+                                         estimator=self.kl_estimator, level=self.kl_level)
                 loss = loss + self.kl_coef * kl
                 terms["kl_ref"] = kl
             if ent is not None:
-                h = losses.masked_mean(ent, valid)
+                h = losses.masked_mean(ent, obj_batch["mask"] > 0)
                 loss = loss - self.entropy_coef * h
                 terms["entropy"] = h
             return loss, {**oaux, **jax.lax.stop_gradient(terms)}
@@ -477,6 +480,7 @@ def make_train_step(
     mini_batches: int = 1,
     kl_coef: float = 0.0,
     kl_estimator: str = ObjectiveConfig().kl_estimator,
+    kl_level: str = ObjectiveConfig().kl_level,
     entropy_coef: float = 0.0,
     reference: nnx.State | None = None,
 ) -> _TrainStep:
@@ -512,10 +516,12 @@ def make_train_step(
         corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``.
         ``policy_version`` advances once per call whatever the number of updates; the
         state's ``step`` counts updates.
-      kl_coef, kl_estimator: adds ``kl_coef * mean(kl_penalty(lp, ref_lp, estimator))``
-        over the valid tokens (``satjax.losses.kl_penalty``), ``ref_lp`` the log-probs of
-        ``reference`` (the Param state of the frozen reference policy, same structure as
-        the policy's; copied and sharded like it, not optimised), computed in the step.
+      kl_coef, kl_estimator, kl_level: adds ``kl_coef * reference_kl(lp, ref_lp,
+        estimator=kl_estimator, level=kl_level)`` (``satjax.losses.reference_kl``: the
+        estimator per token, mean over the valid tokens, or of each row's length-normalised
+        log-ratio, mean over the valid rows), ``ref_lp`` the log-probs of ``reference``
+        (the Param state of the frozen reference policy, same structure as the policy's;
+        copied and sharded like it, not optimised), computed in the step.
       entropy_coef: subtracts ``entropy_coef * mean(token entropy)`` over the valid tokens
         (``satjax.model.logprobs.chunked_logprobs_entropy``). With either coefficient
         > 0 the metrics hold ``policy_loss`` (the objective's), ``kl_ref``, ``entropy``.
@@ -537,6 +543,7 @@ def make_train_step(
         mini_batches=mini_batches,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        kl_level=kl_level,
         entropy_coef=entropy_coef,
         reference=reference,
     )

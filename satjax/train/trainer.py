@@ -61,7 +61,8 @@ def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: 
         objective_hp=o.hparams, replay=t.replay, grad_accum=t.grad_accum,
         temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
         remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
-        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, kl_level=o.kl_level,
+        entropy_coef=o.entropy_coef,
         reference=reference)
 
 
