@@ -178,6 +178,10 @@ class _TrainStep:
         self.mesh = mesh
         self.objective_name = objective
         self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
+        # TIS weights by pi_prox / mu and so needs the proximal policy pi_prox (the
+        # objective refuses a batch without it, see satjax/objectives.py)
+        self.needs_proximal = objectives.hparams(
+            objective, objective_hp).is_correction == "tis"
         self.replay = replay_mode(replay)
         self.grad_accum = grad_accum
         self.temperature = temperature
@@ -282,7 +286,12 @@ class _TrainStep:
 
         def total_loss(lp: jax.Array, ent: jax.Array | None) -> tuple[jax.Array, Metrics]:
             """The objective plus the KL and entropy terms, each logged."""
-            loss, oaux = self.objective_fn(lp, obj_batch)
+            ob = obj_batch
+            if self.needs_proximal and "old_logprobs" not in ob:
+                # One update per batch: the proximal policy is the policy at the step's
+                # start, whose log-probs are lp's values (lp is taken under those weights).
+                ob = {**ob, "old_logprobs": jax.lax.stop_gradient(lp)}
+            loss, oaux = self.objective_fn(lp, ob)
             if ref_lp is None and ent is None:
                 return loss, oaux
             terms = {"policy_loss": loss}
@@ -513,7 +522,11 @@ def make_train_step(
         mini-batches (rows j, j+M, ...) and the optimizer steps once per mini-batch, for
         ``updates_per_batch`` passes; the ratio is clipped against the log-probs of the
         policy before the first update (``old_logprobs``), SAT's proxy and the IS
-        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``.
+        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``,
+        except with ``is_correction="tis"``: then ``old_logprobs`` are the detached
+        current log-probs (the policy at the step's start), so the TIS weight is
+        ``min(pi_start / mu, C)`` and the clipped ratio ``pi / pi_start`` (1 in value: the
+        clip, SAT's contraction of it included, does not bind in that single update).
         ``policy_version`` advances once per call whatever the number of updates; the
         state's ``step`` counts updates.
       kl_coef, kl_estimator, kl_level: adds ``kl_coef * reference_kl(lp, ref_lp,

@@ -80,6 +80,45 @@ def test_updates_per_batch_equal_a_loop_of_single_steps(make_state, mesh_of, syn
     assert m["nonfinite_steps"] == 0.0
 
 
+def _tis_reference(lp, batch, threshold):
+    """numpy: the TIS weight mean min(exp(lp - mu), C) over the valid tokens."""
+    valid = np.asarray(batch.loss_mask) > 0
+    w = np.minimum(np.exp(np.asarray(lp, np.float64) - batch.behavior_logprobs), threshold)
+    return float(w[valid].mean())
+
+
+@pytest.mark.slow
+def test_tis_takes_the_step_start_logprobs(make_state, mesh_of, synthetic_batch, host):
+    """is_correction="tis" weights by min(pi_start / mu, C), pi_start the policy at the
+    step's start: with one update, the detached current log-probs (the step passes them
+    as old_logprobs; before, the objective refused the batch); with two updates, the
+    proximal log-probs of the first, for both (not those of the moved policy)."""
+    batch = synthetic_batch(5, B=8, group_size=4)
+    hp = {"is_correction": "tis", "is_threshold": 1.2}
+    model = make_state(0).model
+    lp0, _ = token_logprobs(model, batch.tokens, batch.attention_mask)
+    want = _tis_reference(lp0, batch, 1.2)
+
+    one = _step(make_state, mesh_of, objective_hp=hp)
+    _, m = one(_fresh(one, make_state), one.place_batch(batch))
+    m = host(m)
+    np.testing.assert_allclose(m["is_weight_mean"], want, rtol=1e-5)
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-6)  # pi / pi_start at the start
+    obj_batch = {"behavior_logprobs": batch.behavior_logprobs,
+                 "advantages": batch_advantages(batch), "mask": batch.loss_mask,
+                 "old_logprobs": lp0}
+    ref_loss, _ = objectives.make("ppo_clip", **hp)(lp0, obj_batch)
+    np.testing.assert_allclose(m["loss"], float(ref_loss), rtol=1e-5, atol=1e-7)
+
+    two = _step(make_state, mesh_of, objective_hp=hp, updates_per_batch=2)
+    state, m2 = two(_fresh(two, make_state), two.place_batch(batch))
+    state, m2 = host(state), host(m2)
+    np.testing.assert_allclose(m2["is_weight_mean"], want, rtol=1e-5)  # both updates
+    moved = nnx.merge(nnx.graphdef(model), jax.tree.map(jnp.asarray, state["model"]))
+    lp_end, _ = token_logprobs(moved, batch.tokens, batch.attention_mask)
+    assert abs(_tis_reference(lp_end, batch, 1.2) - want) > 1e-3  # the test can tell
+
+
 def test_mini_batch_split_keeps_rows_strided():
     x = jnp.arange(8)
     np.testing.assert_array_equal(_split_micro(x, 2), [[0, 2, 4, 6], [1, 3, 5, 7]])
