@@ -5,7 +5,8 @@ engine's experts, or its experts and gate weights, as ``replay`` says), compute 
 advantages, apply the configured objective (SAT-GSPO by default), take the gradient, apply
 the optimizer (whose Optax chain clips by global norm, see ``state.make_optimizer``). A step
 whose loss or gradient global norm is not finite leaves the parameters and optimizer state
-unchanged (``nonfinite_steps`` = 1).
+unchanged (``nonfinite_steps`` = 1), and so does a batch without an active token (its
+``loss_mask`` all 0; ``empty_steps`` = 1).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
 statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
@@ -120,6 +121,8 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 # Metrics of one optimizer update that the rollout batch reports from its last update
 # rather than as the mean over its updates: how much the trust region binds at the end.
 LAST_UPDATE_METRICS = ("clip_frac_low", "clip_frac_high")
+# Counts of skipped updates, summed over the rollout batch's updates.
+SKIPPED_UPDATE_METRICS = ("nonfinite_steps", "empty_steps")
 
 
 class _TrainStep:
@@ -355,19 +358,25 @@ class _TrainStep:
 
         grad_norm = optax.tree.norm(grads)  # before the optimizer's clipping
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # No token to learn from (every group dropped or masked): the gradient is 0, yet
+        # Adam's moments would decay, its count advance and momentum or weight decay move
+        # the weights. Such an update is skipped too.
+        active = jnp.any(batch.loss_mask > 0)
         opt_step = ts.optimizer.step[...]
         ts.optimizer.update(ts.model, grads)
         # A non-finite loss or gradient (a poisoned reward, an overflow) would turn every
         # parameter NaN at once: keep the old parameters and optimizer state instead. The
         # step and version still advance, so the batch counts as consumed and the run goes on.
         new, treedef = jax.tree.flatten(nnx.state(ts))
-        kept = [jnp.where(finite, n, o) for n, o in zip(new, old, strict=True)]
+        kept = [jnp.where(finite & active, n, o) for n, o in zip(new, old, strict=True)]
         ts = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, kept))
         ts.step[...] += 1
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "nonfinite_steps": 1.0 - finite.astype(jnp.float32),  # 1: this update was skipped
+            # 1: this update was skipped, for a non-finite loss or gradient / no active token
+            "nonfinite_steps": (active & ~finite).astype(jnp.float32),
+            "empty_steps": 1.0 - active.astype(jnp.float32),
         }
         if self.lr_schedule is not None:
             metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
@@ -383,7 +392,8 @@ class _TrainStep:
         every update's ratio is clipped against them (``old_logprobs``), while SAT's proxy
         and the IS corrections stay against the behaviour log-probs. Mini-batch j holds rows
         j, j+M, ... (strided, as the micro-batches). Metrics: the mean over the updates,
-        the last update's clip fractions, ``nonfinite_steps`` summed (updates skipped).
+        the last update's clip fractions, ``nonfinite_steps`` and ``empty_steps`` summed
+        (updates skipped).
         """
         M, U = self.mini_batches, self.updates_per_batch
         B = batch.tokens.shape[0]
@@ -407,7 +417,8 @@ class _TrainStep:
         metrics = {k: jnp.mean(v) for k, v in per_update.items()}
         metrics.update({k: per_update[k][-1, -1] for k in LAST_UPDATE_METRICS
                         if k in per_update})
-        metrics["nonfinite_steps"] = jnp.sum(per_update["nonfinite_steps"])
+        for key in SKIPPED_UPDATE_METRICS:
+            metrics[key] = jnp.sum(per_update[key])
         return state, metrics
 
     def _step(self, state: nnx.State, batch: Batch,
@@ -432,7 +443,7 @@ class _TrainStep:
         metrics: Metrics = {
             "loss": update_metrics.pop("loss"),
             "grad_norm": update_metrics.pop("grad_norm"),
-            "nonfinite_steps": update_metrics.pop("nonfinite_steps"),
+            **{k: update_metrics.pop(k) for k in SKIPPED_UPDATE_METRICS},
             "tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
             "sequences": jnp.sum(valid_rows).astype(jnp.float32),
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
