@@ -9,8 +9,10 @@ unchanged (``nonfinite_steps`` = 1), and so does a batch without an active token
 ``loss_mask`` all 0; ``empty_steps`` = 1).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
-statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
-through the per-token log-probs, so
+statistics (SAT's quantile gate, group baselines). SAT's gate is taken per micro-batch as
+the authors take it (the objective gets ``microbatches=grad_accum``; ``scope="batch"``
+takes one gate over the whole batch instead), and the step computes exactly that: the loss
+depends on the parameters only through the per-token log-probs, so
 
   1. a forward-only pass over the micro-batches gives the full-batch log-probs ``lp``;
   2. the objective's gradient ``g = dL/dlp`` is taken on the whole batch at once;
@@ -180,7 +182,10 @@ class _TrainStep:
         self.graphdef = graphdef
         self.mesh = mesh
         self.objective_name = objective
-        self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
+        # SAT's statistics per gradient-accumulation micro-batch (scope "microbatch"): the
+        # objective's strided groups are _split_micro's micro-batches (rows m, m + A, ...)
+        self.objective_fn = objectives.make(objective, microbatches=grad_accum,
+                                            **dict(objective_hp or {}))
         # TIS weights by pi_prox / mu and so needs the proximal policy pi_prox (the
         # objective refuses a batch without it, see satjax/objectives.py)
         self.needs_proximal = objectives.hparams(
@@ -512,7 +517,9 @@ def make_train_step(
         clipping is part of the state's optimizer (``make_optimizer(max_grad_norm=...)``);
         the logged ``grad_norm`` is the global norm before it.
       mesh: the device mesh (``parallel.make_mesh``).
-      objective, objective_hp: ``satjax.objectives.make(objective, **objective_hp)``.
+      objective, objective_hp: ``satjax.objectives.make(objective,
+        microbatches=grad_accum, **objective_hp)``: SAT objectives take their statistics per
+        micro-batch (``scope="microbatch"``, the default) or over the batch ("batch").
       replay: what of the batch's engine router record the forward uses
         (``satjax.config.REPLAY_MODES``; true/false mean "experts"/"off"): "off" the
         trainer's own routing; "experts" (R3) the engine's experts, weighted by the
@@ -521,7 +528,8 @@ def make_train_step(
         needs ``routed_gates``). Metrics beside ``router_mismatch*`` when the batch has
         gates: ``router_gate_diff``, ``router_gate_diff_applied`` and, with router logits,
         ``router_kl`` (``satjax.model.logprobs.router_gate_stats``).
-      grad_accum: number of micro-batches (B must be divisible by it); exact.
+      grad_accum: number of micro-batches (rows m, m + A, ...; B must be divisible by
+        it); exact.
       temperature: sampling temperature of the behavior policy.
       lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
       normalize_adv_std: divide group-centred rewards by the group std.

@@ -105,12 +105,43 @@ def test_a_batch_without_valid_rows_logs_finite_staleness(run_steps, batches):
 
 @pytest.mark.slow
 def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
+    """With SAT's gate over the whole batch (scope "batch"), grad_accum=2 is the batch."""
     ref_state, ref_metrics = reference
-    acc, acc_metrics = run_steps(batches, grad_accum=2)
+    # objective_hp as (key, value) pairs: hashable for the step cache, read by dict()
+    acc, acc_metrics = run_steps(batches, grad_accum=2, objective_hp=(("scope", "batch"),))
     for a, b in zip(acc_metrics, ref_metrics, strict=True):
         for key in ("loss", "grad_norm", "router_mismatch", "sat_tail_frac"):
             np.testing.assert_allclose(a[key], b[key], rtol=RTOL, atol=ATOL, err_msg=key)
     assert_trees_close(acc["model"], ref_state["model"])
+
+
+def _np_gate_per_micro(lp, batch, num):
+    """numpy: SAT-GSPO's default gate per strided micro-batch (rows m, m + num, ...): the
+    lower empirical 0.9 quantile of |d_i| (d_i the row's mean of lp - mu over its valid
+    tokens) counted once per valid token (the broadcast proxy), as a per-row array."""
+    valid = np.asarray(batch.loss_mask) > 0
+    d = np.where(valid, np.asarray(lp, np.float64) - batch.behavior_logprobs, 0.0)
+    n = valid.sum(1)
+    d_seq = d.sum(1) / np.maximum(n, 1)
+    q = np.zeros(len(n))
+    for m in range(num):
+        rows = np.arange(m, len(n), num)
+        x = np.sort(np.repeat(np.abs(d_seq[rows]), n[rows]))
+        q[rows] = x[int(np.ceil(0.9 * len(x))) - 1]
+    return q, n > 0
+
+
+@pytest.mark.slow
+def test_sat_gate_per_grad_accum_micro_batch(run_steps, batches, forward):
+    """grad_accum=2: the step's sat_q is the mean over the valid rows of the gate of the
+    row's micro-batch (rows m, m + 2, ...: the step's micro-batches), from numpy."""
+    batch = batches[0]
+    _, m = run_steps([batch], grad_accum=2, replay=False)
+    lp, _ = forward(batch)
+    q2, rows = _np_gate_per_micro(lp, batch, 2)
+    q1, _ = _np_gate_per_micro(lp, batch, 1)
+    assert abs(q2[rows].mean() - q1[rows].mean()) > 1e-4  # the test can tell
+    np.testing.assert_allclose(m[0]["sat_q"], q2[rows].mean(), rtol=1e-5)
 
 
 @pytest.mark.slow
