@@ -188,9 +188,12 @@ class ObjectiveConfig:
     # token-sized radius. ``objective.hparams={}`` restores the objective's own defaults.
     hparams: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"eps_low": 0.05, "eps_high": 0.07})
-    # + kl_coef * KL(policy || reference) per token (k1 | k2 | k3 estimator, token mean)
+    # + kl_coef * KL(policy || reference): the estimator (k1 | k2 | k3 | low_var_kl, verl's
+    # clamped k3) per token, token mean (kl_level token); or of each row's length-normalised
+    # log-ratio, row mean (sequence: our reading of the SAT page's "sequence-level KL")
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    kl_level: Literal["token", "sequence"] = "token"
     entropy_coef: float = 0.0  # - entropy_coef * token entropy (token mean)
 
 
@@ -200,6 +203,9 @@ class TrainConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    # Adam's moment decays (the SAT paper's recipe: b1 0.9, b2 0.98, constant lr 1e-6)
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
     max_grad_norm: float = 1.0
     grad_accum: int = 1
     remat: Remat = "none"  # per decoder layer: full keeps only its input, dots also matmuls
@@ -462,6 +468,8 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.max_grad_norm > 0, "train.max_grad_norm", "> 0")
     need(cfg.train.warmup_steps >= 0, "train.warmup_steps", ">= 0")
     need(cfg.train.weight_decay >= 0, "train.weight_decay", ">= 0")
+    need(0 <= cfg.train.adam_b1 < 1, "train.adam_b1", ">= 0 and < 1")
+    need(0 <= cfg.train.adam_b2 < 1, "train.adam_b2", ">= 0 and < 1")
     need(cfg.sft.steps >= 0, "sft.steps", ">= 0")
     need(cfg.sft.batch_size >= 1, "sft.batch_size", ">= 1")
     need(cfg.sft.learning_rate > 0, "sft.learning_rate", "> 0")

@@ -82,6 +82,8 @@ def test_bad_keys_are_named(override, key):
                                      "number of seconds >= 0"),
         ("rollout.queue_retry_s=.inf", "config key 'rollout.queue_retry_s': must be a finite "
                                        "number of seconds >= 0"),
+        ("train.adam_b2=1", "config key 'train.adam_b2': must be >= 0 and < 1, got 1.0"),
+        ("train.adam_b1=-0.1", "config key 'train.adam_b1': must be >= 0 and < 1, got -0.1"),
     ],
 )
 def test_more_range_errors(override, message):

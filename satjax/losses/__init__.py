@@ -9,7 +9,8 @@ One module per family, everything re-exported here (``satjax.losses.X``):
   variants);
 * :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
 * :mod:`~satjax.losses.advantages`: ``group_advantages``;
-* :mod:`~satjax.losses.regularizers`: ``kl_penalty`` (k1/k2/k3 KL to a reference policy);
+* :mod:`~satjax.losses.regularizers`: ``kl_penalty``, ``sequence_kl_penalty``,
+  ``reference_kl`` (k1/k2/k3/low_var_kl KL to a reference policy, per token or sequence);
 * :mod:`~satjax.losses.quantile`: ``masked_quantile``, ``masked_mean``;
 * :mod:`~satjax.losses.hparams`: one frozen dataclass of defaults and ranges per
   objective (``SatGspoHParams``, ...) and for ``group_advantages``
@@ -63,18 +64,24 @@ from satjax.losses.policy_gradient import (
 )
 from satjax.losses.quantile import masked_mean, masked_quantile
 from satjax.losses.registry import OBJECTIVES
-from satjax.losses.regularizers import KL_ESTIMATORS, kl_penalty
+from satjax.losses.regularizers import (
+    KL_ESTIMATORS,
+    KL_LEVELS,
+    kl_penalty,
+    reference_kl,
+    sequence_kl_penalty,
+)
 from satjax.losses.sat import sat_interval
 
 __all__ = [
-    "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "IS_LEVELS", "KERNELS", "OBJECTIVES",
-    "PROXIES", "SCALES", "SCOPES",
+    "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "KL_LEVELS", "IS_LEVELS", "KERNELS",
+    "OBJECTIVES", "PROXIES", "SCALES", "SCOPES",
     "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
     "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
     "SatGrpoHParams", "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
     "clipped_surrogate", "dppo_kl_loss", "dppo_tv_loss", "group_advantages", "grpo_loss",
     "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_mean", "masked_quantile", "mis_mask",
-    "ppo_clip_loss", "sat_grpo_loss", "sat_gspo_loss", "sat_interval", "sat_ppo_loss",
-    "tis_weights",
+    "ppo_clip_loss", "reference_kl", "sat_grpo_loss", "sat_gspo_loss", "sat_interval",
+    "sat_ppo_loss", "sequence_kl_penalty", "tis_weights",
 ]

@@ -1,8 +1,9 @@
 """Step metrics computed on the host, and the scalar logger (JSON lines + TensorBoard).
 
 Each metric has one owner. The jitted step (``satjax/train/step.py``) computes everything
-it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` (1 when the update
-was skipped), ``tokens``, ``sequences``, ``reward_mean``,
+it can see in the batch: ``loss``, ``grad_norm``, ``nonfinite_steps`` and ``empty_steps``
+(1 when the update was skipped: not finite / no active token), ``tokens``, ``sequences``,
+``reward_mean``,
 ``advantage_abs_mean``, ``lag_mean``, ``lag_max``, ``learning_rate``, the objective's
 metrics (``kl_k3`` among them), the staleness diagnostics ``token_gate_frac`` and
 ``token_extreme_frac`` (``satjax.train.step.staleness_metrics``) and the router's metrics

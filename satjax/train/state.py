@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from satjax.config import TrainConfig
+
 
 class TrainState(nnx.Module):
     """NNX model + ``nnx.Optimizer`` (over ``nnx.Param``) + step and policy version.
@@ -29,14 +31,21 @@ def make_optimizer(
     learning_rate: float | optax.Schedule,
     *,
     max_grad_norm: float | None,
-    b1: float = 0.9,
-    b2: float = 0.999,
+    b1: float = TrainConfig.adam_b1,
+    b2: float = TrainConfig.adam_b2,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> optax.GradientTransformation:
-    """Global-norm gradient clipping (skipped when ``max_grad_norm`` is None), then AdamW."""
+    """Global-norm gradient clipping (skipped when ``max_grad_norm`` is None), then AdamW.
+
+    ``b1``, ``b2``: the decays of Adam's first and second moments (``train.adam_b1``,
+    ``train.adam_b2``), each in [0, 1).
+    """
     if max_grad_norm is not None and max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm!r}")
+    for name, b in (("b1", b1), ("b2", b2)):
+        if not 0 <= b < 1:
+            raise ValueError(f"{name}: must be >= 0 and < 1, got {b!r}")
     adamw = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if max_grad_norm is None:
         return adamw

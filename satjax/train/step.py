@@ -5,11 +5,14 @@ engine's experts, or its experts and gate weights, as ``replay`` says), compute 
 advantages, apply the configured objective (SAT-GSPO by default), take the gradient, apply
 the optimizer (whose Optax chain clips by global norm, see ``state.make_optimizer``). A step
 whose loss or gradient global norm is not finite leaves the parameters and optimizer state
-unchanged (``nonfinite_steps`` = 1).
+unchanged (``nonfinite_steps`` = 1), and so does a batch without an active token (its
+``loss_mask`` all 0; ``empty_steps`` = 1).
 
 Gradient accumulation is *exact* for every objective, including those with batch-level
-statistics (SAT's quantile gate, group baselines): the loss depends on the parameters only
-through the per-token log-probs, so
+statistics (SAT's quantile gate, group baselines). SAT's gate is taken per micro-batch as
+the authors take it (the objective gets ``microbatches=grad_accum``; ``scope="batch"``
+takes one gate over the whole batch instead), and the step computes exactly that: the loss
+depends on the parameters only through the per-token log-probs, so
 
   1. a forward-only pass over the micro-batches gives the full-batch log-probs ``lp``;
   2. the objective's gradient ``g = dL/dlp`` is taken on the whole batch at once;
@@ -120,6 +123,8 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 # Metrics of one optimizer update that the rollout batch reports from its last update
 # rather than as the mean over its updates: how much the trust region binds at the end.
 LAST_UPDATE_METRICS = ("clip_frac_low", "clip_frac_high")
+# Counts of skipped updates, summed over the rollout batch's updates.
+SKIPPED_UPDATE_METRICS = ("nonfinite_steps", "empty_steps")
 
 
 class _TrainStep:
@@ -150,6 +155,7 @@ class _TrainStep:
         mini_batches: int,
         kl_coef: float,
         kl_estimator: str,
+        kl_level: str,
         entropy_coef: float,
         reference: nnx.State | None,
     ) -> None:
@@ -169,12 +175,21 @@ class _TrainStep:
         if kl_estimator not in losses.KL_ESTIMATORS:
             raise ValueError(f"kl_estimator: must be one of {losses.KL_ESTIMATORS}, got "
                              f"{kl_estimator!r}")
+        if kl_level not in losses.KL_LEVELS:
+            raise ValueError(f"kl_level: must be one of {losses.KL_LEVELS}, got {kl_level!r}")
         if kl_coef > 0 and reference is None:
             raise ValueError("reference: kl_coef > 0 needs the reference policy's parameters")
         self.graphdef = graphdef
         self.mesh = mesh
         self.objective_name = objective
-        self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
+        # SAT's statistics per gradient-accumulation micro-batch (scope "microbatch"): the
+        # objective's strided groups are _split_micro's micro-batches (rows m, m + A, ...)
+        self.objective_fn = objectives.make(objective, microbatches=grad_accum,
+                                            **dict(objective_hp or {}))
+        # TIS weights by pi_prox / mu and so needs the proximal policy pi_prox (the
+        # objective refuses a batch without it, see satjax/objectives.py)
+        self.needs_proximal = objectives.hparams(
+            objective, objective_hp).is_correction == "tis"
         self.replay = replay_mode(replay)
         self.grad_accum = grad_accum
         self.temperature = temperature
@@ -186,6 +201,7 @@ class _TrainStep:
         self.mini_batches = mini_batches
         self.kl_coef = kl_coef
         self.kl_estimator = kl_estimator
+        self.kl_level = kl_level
         self.entropy_coef = entropy_coef
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -278,18 +294,22 @@ class _TrainStep:
 
         def total_loss(lp: jax.Array, ent: jax.Array | None) -> tuple[jax.Array, Metrics]:
             """The objective plus the KL and entropy terms, each logged."""
-            loss, oaux = self.objective_fn(lp, obj_batch)
+            ob = obj_batch
+            if self.needs_proximal and "old_logprobs" not in ob:
+                # One update per batch: the proximal policy is the policy at the step's
+                # start, whose log-probs are lp's values (lp is taken under those weights).
+                ob = {**ob, "old_logprobs": jax.lax.stop_gradient(lp)}
+            loss, oaux = self.objective_fn(lp, ob)
             if ref_lp is None and ent is None:
                 return loss, oaux
             terms = {"policy_loss": loss}
-            valid = obj_batch["mask"] > 0
             if ref_lp is not None:
-                kl = losses.masked_mean(losses.kl_penalty(lp, ref_lp, obj_batch["mask"],
-                                                          self.kl_estimator), valid)
+                kl = losses.reference_kl(lp, ref_lp, obj_batch["mask"],
+                                         estimator=self.kl_estimator, level=self.kl_level)
                 loss = loss + self.kl_coef * kl
                 terms["kl_ref"] = kl
             if ent is not None:
-                h = losses.masked_mean(ent, valid)
+                h = losses.masked_mean(ent, obj_batch["mask"] > 0)
                 loss = loss - self.entropy_coef * h
                 terms["entropy"] = h
             return loss, {**oaux, **jax.lax.stop_gradient(terms)}
@@ -343,19 +363,25 @@ class _TrainStep:
 
         grad_norm = optax.tree.norm(grads)  # before the optimizer's clipping
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # No token to learn from (every group dropped or masked): the gradient is 0, yet
+        # Adam's moments would decay, its count advance and momentum or weight decay move
+        # the weights. Such an update is skipped too.
+        active = jnp.any(batch.loss_mask > 0)
         opt_step = ts.optimizer.step[...]
         ts.optimizer.update(ts.model, grads)
         # A non-finite loss or gradient (a poisoned reward, an overflow) would turn every
         # parameter NaN at once: keep the old parameters and optimizer state instead. The
         # step and version still advance, so the batch counts as consumed and the run goes on.
         new, treedef = jax.tree.flatten(nnx.state(ts))
-        kept = [jnp.where(finite, n, o) for n, o in zip(new, old, strict=True)]
+        kept = [jnp.where(finite & active, n, o) for n, o in zip(new, old, strict=True)]
         ts = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, kept))
         ts.step[...] += 1
         metrics: Metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "nonfinite_steps": 1.0 - finite.astype(jnp.float32),  # 1: this update was skipped
+            # 1: this update was skipped, for a non-finite loss or gradient / no active token
+            "nonfinite_steps": (active & ~finite).astype(jnp.float32),
+            "empty_steps": 1.0 - active.astype(jnp.float32),
         }
         if self.lr_schedule is not None:
             metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
@@ -371,7 +397,8 @@ class _TrainStep:
         every update's ratio is clipped against them (``old_logprobs``), while SAT's proxy
         and the IS corrections stay against the behaviour log-probs. Mini-batch j holds rows
         j, j+M, ... (strided, as the micro-batches). Metrics: the mean over the updates,
-        the last update's clip fractions, ``nonfinite_steps`` summed (updates skipped).
+        the last update's clip fractions, ``nonfinite_steps`` and ``empty_steps`` summed
+        (updates skipped).
         """
         M, U = self.mini_batches, self.updates_per_batch
         B = batch.tokens.shape[0]
@@ -395,7 +422,8 @@ class _TrainStep:
         metrics = {k: jnp.mean(v) for k, v in per_update.items()}
         metrics.update({k: per_update[k][-1, -1] for k in LAST_UPDATE_METRICS
                         if k in per_update})
-        metrics["nonfinite_steps"] = jnp.sum(per_update["nonfinite_steps"])
+        for key in SKIPPED_UPDATE_METRICS:
+            metrics[key] = jnp.sum(per_update[key])
         return state, metrics
 
     def _step(self, state: nnx.State, batch: Batch,
@@ -420,7 +448,7 @@ class _TrainStep:
         metrics: Metrics = {
             "loss": update_metrics.pop("loss"),
             "grad_norm": update_metrics.pop("grad_norm"),
-            "nonfinite_steps": update_metrics.pop("nonfinite_steps"),
+            **{k: update_metrics.pop(k) for k in SKIPPED_UPDATE_METRICS},
             "tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
             "sequences": jnp.sum(valid_rows).astype(jnp.float32),
             "reward_mean": jnp.sum(batch.rewards * valid_rows) / n_rows,
@@ -477,6 +505,7 @@ def make_train_step(
     mini_batches: int = 1,
     kl_coef: float = 0.0,
     kl_estimator: str = ObjectiveConfig().kl_estimator,
+    kl_level: str = ObjectiveConfig().kl_level,
     entropy_coef: float = 0.0,
     reference: nnx.State | None = None,
 ) -> _TrainStep:
@@ -488,7 +517,9 @@ def make_train_step(
         clipping is part of the state's optimizer (``make_optimizer(max_grad_norm=...)``);
         the logged ``grad_norm`` is the global norm before it.
       mesh: the device mesh (``parallel.make_mesh``).
-      objective, objective_hp: ``satjax.objectives.make(objective, **objective_hp)``.
+      objective, objective_hp: ``satjax.objectives.make(objective,
+        microbatches=grad_accum, **objective_hp)``: SAT objectives take their statistics per
+        micro-batch (``scope="microbatch"``, the default) or over the batch ("batch").
       replay: what of the batch's engine router record the forward uses
         (``satjax.config.REPLAY_MODES``; true/false mean "experts"/"off"): "off" the
         trainer's own routing; "experts" (R3) the engine's experts, weighted by the
@@ -497,7 +528,8 @@ def make_train_step(
         needs ``routed_gates``). Metrics beside ``router_mismatch*`` when the batch has
         gates: ``router_gate_diff``, ``router_gate_diff_applied`` and, with router logits,
         ``router_kl`` (``satjax.model.logprobs.router_gate_stats``).
-      grad_accum: number of micro-batches (B must be divisible by it); exact.
+      grad_accum: number of micro-batches (rows m, m + A, ...; B must be divisible by
+        it); exact.
       temperature: sampling temperature of the behavior policy.
       lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
       normalize_adv_std: divide group-centred rewards by the group std.
@@ -509,13 +541,19 @@ def make_train_step(
         mini-batches (rows j, j+M, ...) and the optimizer steps once per mini-batch, for
         ``updates_per_batch`` passes; the ratio is clipped against the log-probs of the
         policy before the first update (``old_logprobs``), SAT's proxy and the IS
-        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``.
+        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``,
+        except with ``is_correction="tis"``: then ``old_logprobs`` are the detached
+        current log-probs (the policy at the step's start), so the TIS weight is
+        ``min(pi_start / mu, C)`` and the clipped ratio ``pi / pi_start`` (1 in value: the
+        clip, SAT's contraction of it included, does not bind in that single update).
         ``policy_version`` advances once per call whatever the number of updates; the
         state's ``step`` counts updates.
-      kl_coef, kl_estimator: adds ``kl_coef * mean(kl_penalty(lp, ref_lp, estimator))``
-        over the valid tokens (``satjax.losses.kl_penalty``), ``ref_lp`` the log-probs of
-        ``reference`` (the Param state of the frozen reference policy, same structure as
-        the policy's; copied and sharded like it, not optimised), computed in the step.
+      kl_coef, kl_estimator, kl_level: adds ``kl_coef * reference_kl(lp, ref_lp,
+        estimator=kl_estimator, level=kl_level)`` (``satjax.losses.reference_kl``: the
+        estimator per token, mean over the valid tokens, or of each row's length-normalised
+        log-ratio, mean over the valid rows), ``ref_lp`` the log-probs of ``reference``
+        (the Param state of the frozen reference policy, same structure as the policy's;
+        copied and sharded like it, not optimised), computed in the step.
       entropy_coef: subtracts ``entropy_coef * mean(token entropy)`` over the valid tokens
         (``satjax.model.logprobs.chunked_logprobs_entropy``). With either coefficient
         > 0 the metrics hold ``policy_loss`` (the objective's), ``kl_ref``, ``entropy``.
@@ -537,6 +575,7 @@ def make_train_step(
         mini_batches=mini_batches,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
+        kl_level=kl_level,
         entropy_coef=entropy_coef,
         reference=reference,
     )

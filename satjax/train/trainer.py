@@ -42,10 +42,10 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def run_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The run's optimizer (``train.*``: schedule, clipping, weight decay)."""
+    """The run's optimizer (``train.*``: schedule, clipping, Adam's decays, weight decay)."""
     t = cfg.train
-    return make_optimizer(lr_schedule(t), max_grad_norm=t.max_grad_norm,
-                          weight_decay=t.weight_decay)
+    return make_optimizer(lr_schedule(t), max_grad_norm=t.max_grad_norm, b1=t.adam_b1,
+                          b2=t.adam_b2, weight_decay=t.weight_decay)
 
 
 def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
@@ -61,7 +61,8 @@ def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: 
         objective_hp=o.hparams, replay=t.replay, grad_accum=t.grad_accum,
         temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
         remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
-        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, entropy_coef=o.entropy_coef,
+        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, kl_level=o.kl_level,
+        entropy_coef=o.entropy_coef,
         reference=reference)
 
 

@@ -7,7 +7,8 @@ import pytest
 
 MODULES = [
     "satjax.losses.advantages", "satjax.losses.corrections", "satjax.losses.hparams",
-    "satjax.losses.policy_gradient", "satjax.losses.quantile", "satjax.losses.sat",
+    "satjax.losses.policy_gradient", "satjax.losses.quantile", "satjax.losses.regularizers",
+    "satjax.losses.sat",
     "satjax.objectives",
 ]
 

@@ -80,12 +80,66 @@ def test_updates_per_batch_equal_a_loop_of_single_steps(make_state, mesh_of, syn
     assert m["nonfinite_steps"] == 0.0
 
 
+def _tis_reference(lp, batch, threshold):
+    """numpy: the TIS weight mean min(exp(lp - mu), C) over the valid tokens."""
+    valid = np.asarray(batch.loss_mask) > 0
+    w = np.minimum(np.exp(np.asarray(lp, np.float64) - batch.behavior_logprobs), threshold)
+    return float(w[valid].mean())
+
+
+@pytest.mark.slow
+def test_tis_takes_the_step_start_logprobs(make_state, mesh_of, synthetic_batch, host):
+    """is_correction="tis" weights by min(pi_start / mu, C), pi_start the policy at the
+    step's start: with one update, the detached current log-probs (the step passes them
+    as old_logprobs; before, the objective refused the batch); with two updates, the
+    proximal log-probs of the first, for both (not those of the moved policy)."""
+    batch = synthetic_batch(5, B=8, group_size=4)
+    hp = {"is_correction": "tis", "is_threshold": 1.2}
+    model = make_state(0).model
+    lp0, _ = token_logprobs(model, batch.tokens, batch.attention_mask)
+    want = _tis_reference(lp0, batch, 1.2)
+
+    one = _step(make_state, mesh_of, objective_hp=hp)
+    _, m = one(_fresh(one, make_state), one.place_batch(batch))
+    m = host(m)
+    np.testing.assert_allclose(m["is_weight_mean"], want, rtol=1e-5)
+    assert m["ratio_max"] == pytest.approx(1.0, abs=1e-6)  # pi / pi_start at the start
+    obj_batch = {"behavior_logprobs": batch.behavior_logprobs,
+                 "advantages": batch_advantages(batch), "mask": batch.loss_mask,
+                 "old_logprobs": lp0}
+    ref_loss, _ = objectives.make("ppo_clip", **hp)(lp0, obj_batch)
+    np.testing.assert_allclose(m["loss"], float(ref_loss), rtol=1e-5, atol=1e-7)
+
+    two = _step(make_state, mesh_of, objective_hp=hp, updates_per_batch=2)
+    state, m2 = two(_fresh(two, make_state), two.place_batch(batch))
+    state, m2 = host(state), host(m2)
+    np.testing.assert_allclose(m2["is_weight_mean"], want, rtol=1e-5)  # both updates
+    moved = nnx.merge(nnx.graphdef(model), jax.tree.map(jnp.asarray, state["model"]))
+    lp_end, _ = token_logprobs(moved, batch.tokens, batch.attention_mask)
+    assert abs(_tis_reference(lp_end, batch, 1.2) - want) > 1e-3  # the test can tell
+
+
 def test_mini_batch_split_keeps_rows_strided():
     x = jnp.arange(8)
     np.testing.assert_array_equal(_split_micro(x, 2), [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
-def _numpy_terms(model, batch, ref_model, estimator):
+def _np_kl(x, estimator):
+    """numpy KL(pi || pi_ref) estimators at x = log pi_ref / pi (verl's low_var_kl: k3
+    with x clamped to [-20, 20] and the estimate to [-10, 10])."""
+    xc = np.clip(x, -20, 20)
+    return {"k1": -x, "k2": 0.5 * x ** 2, "k3": np.exp(x) - 1 - x,
+            "low_var_kl": np.clip(np.exp(xc) - xc - 1, -10, 10)}[estimator]
+
+
+def _np_sequence_kl(lp, ref, valid, estimator):
+    """numpy sequence-level KL: per row the estimator of the mean over its valid tokens of
+    ref - lp; mean over the rows with a valid token."""
+    rows = [r for r in range(lp.shape[0]) if valid[r].any()]
+    return float(np.mean([_np_kl(np.mean((ref - lp)[r][valid[r]]), estimator) for r in rows]))
+
+
+def _numpy_terms(model, batch, ref_model, estimator, level="token"):
     """numpy: per-token log-probs of policy and reference and the entropy, from the full
     [B, T, V] logits (the independent path the chunked head avoids)."""
 
@@ -104,10 +158,10 @@ def _numpy_terms(model, batch, ref_model, estimator):
     lz, rz = logp(logits(model)), logp(logits(ref_model))
     lp = np.take_along_axis(lz, tok[..., None], -1)[..., 0]
     rl = np.take_along_axis(rz, tok[..., None], -1)[..., 0]
-    x = rl - lp
-    k = {"k1": -x, "k2": 0.5 * x ** 2, "k3": np.exp(x) - 1 - x}[estimator]
-    ent = -(np.exp(lz) * lz).sum(-1)
-    return float(k[valid].mean()), float(ent[valid].mean())
+    ent = float((-(np.exp(lz) * lz).sum(-1))[valid].mean())
+    if level == "sequence":
+        return _np_sequence_kl(lp, rl, valid, estimator), ent
+    return float(_np_kl(rl - lp, estimator)[valid].mean()), ent
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -158,6 +212,102 @@ def test_reference_kl_and_entropy_terms(make_state, mesh_of, synthetic_batch, ti
     np.testing.assert_allclose(m["grad_norm"], norm, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_sequence_level_low_var_kl_in_the_step(make_state, mesh_of, synthetic_batch,
+                                               tiny_model, host):
+    """kl_level="sequence", kl_estimator="low_var_kl": the logged term and the loss's
+    gradient against the numpy sequence KL of full-vocabulary log-probs."""
+    batch = synthetic_batch(4, B=8, group_size=4)
+    ref_model = tiny_model(1)
+    kl_coef = 0.5
+    step = _step(make_state, mesh_of, kl_coef=kl_coef, kl_estimator="low_var_kl",
+                 kl_level="sequence", reference=nnx.state(ref_model, nnx.Param))
+    _, m = step(_fresh(step, make_state), step.place_batch(batch))
+    m = host(m)
+    model = make_state(0).model
+    kl_seq, _ = _numpy_terms(model, batch, ref_model, "low_var_kl", level="sequence")
+    kl_tok, _ = _numpy_terms(model, batch, ref_model, "low_var_kl")
+    assert kl_seq > 1e-4 and abs(kl_seq - kl_tok) > 1e-2  # the test can tell the levels
+    np.testing.assert_allclose(m["kl_ref"], kl_seq, rtol=1e-4)
+    np.testing.assert_allclose(m["loss"], m["policy_loss"] + kl_coef * m["kl_ref"], rtol=1e-6)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ref_lp, _ = token_logprobs(ref_model, batch.tokens, batch.attention_mask)
+    obj_batch = {"behavior_logprobs": batch.behavior_logprobs,
+                 "advantages": batch_advantages(batch), "mask": batch.loss_mask}
+    obj = objectives.make("ppo_clip")
+    valid = jnp.asarray(batch.loss_mask) > 0
+    n = jnp.maximum(jnp.sum(valid, -1), 1)
+    rows = jnp.any(valid, -1)
+
+    def total(p):
+        lp, _ = token_logprobs(nnx.merge(graphdef, p, rest), batch.tokens,
+                               batch.attention_mask)
+        x = jnp.sum(jnp.where(valid, ref_lp - lp, 0.0), -1) / n  # written out, not the lib's
+        k3 = jnp.clip(jnp.expm1(x) - x, -10.0, 10.0)
+        return obj(lp, obj_batch)[0] + kl_coef * jnp.sum(jnp.where(rows, k3, 0.0)) / rows.sum()
+
+    grads = jax.grad(total)(params)
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(m["grad_norm"], norm, rtol=1e-4)
+
+
+def test_low_var_kl_is_verls_clamped_k3():
+    """Values and gradient against numpy, where the clamps bite (x = log pi_ref / pi of
+    -25, -12, 3, 25, 100) and where they do not (k3 itself)."""
+    x = np.array([[-25.0, -12.0, -1.0, 0.0, 0.5, 2.0, 3.0, 25.0, 100.0]])
+    lp = np.full_like(x, -1.0)
+    ref, mask = lp + x, np.ones_like(x)
+    got = np.asarray(losses.kl_penalty(jnp.asarray(lp, jnp.float32), jnp.asarray(ref,
+                                       jnp.float32), jnp.asarray(mask), "low_var_kl"))
+    want = _np_kl(x, "low_var_kl")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[0, [0, 1, 6, 7, 8]], 10.0)  # clamped (k3 > 10)
+    free = np.abs(want) < 10
+    np.testing.assert_allclose(got[free], _np_kl(x, "k3")[free], rtol=1e-5, atol=1e-6)
+    g = np.asarray(jax.grad(lambda a: jnp.sum(losses.kl_penalty(
+        a, jnp.asarray(ref, jnp.float32), jnp.asarray(mask), "low_var_kl")))(
+        jnp.asarray(lp, jnp.float32)))
+    assert np.all(np.isfinite(g))  # exp(100) never reaches the gradient
+    np.testing.assert_allclose(g, np.where(free, 1 - np.exp(np.minimum(x, 20)), 0.0),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3", "low_var_kl"])
+def test_sequence_kl_matches_numpy(estimator):
+    r = np.random.default_rng(2)
+    lp = np.log(r.uniform(0.01, 1.0, (5, 6)))
+    ref = lp + r.normal(0.0, 2.0, (5, 6))  # wide: some rows' low_var_kl clamps
+    ref[0] = lp[0] + 4.0  # x_0 = 4: k3 = 50.6, low_var_kl 10
+    mask = (r.random((5, 6)) < 0.6).astype(np.float32)
+    mask[0, :2], mask[3] = 1.0, 0.0  # row 3 empty: not a row of the mean
+    lp[mask == 0] = np.nan  # padding never reaches the estimate
+    valid = mask > 0
+    args = (jnp.asarray(lp, jnp.float32), jnp.asarray(ref, jnp.float32), jnp.asarray(mask))
+    per_row = np.asarray(losses.sequence_kl_penalty(*args, estimator))
+    x_seq = np.array([np.mean((ref - lp)[i][valid[i]]) if valid[i].any() else 0.0
+                      for i in range(5)])
+    want = np.where(valid.any(1), _np_kl(x_seq, estimator), 0.0)
+    np.testing.assert_allclose(per_row, want, rtol=1e-5, atol=1e-6)
+    if estimator == "low_var_kl":
+        assert per_row[0] == 10.0
+    got = float(losses.reference_kl(*args, estimator=estimator, level="sequence"))
+    np.testing.assert_allclose(got, _np_sequence_kl(lp, ref, valid, estimator), rtol=1e-5)
+    tok = float(losses.reference_kl(*args, estimator=estimator, level="token"))
+    np.testing.assert_allclose(tok, _np_kl(ref - lp, estimator)[valid].mean(), rtol=1e-5)
+    assert abs(got - tok) > 1e-3  # the levels differ on this batch
+    # d/d lp_{i,t} = -k'(x_i) / (n_i R) for k3: k'(x) = exp(x) - 1
+    if estimator == "k3":
+        g = np.asarray(jax.grad(lambda a: losses.reference_kl(
+            a, args[1], args[2], estimator="k3", level="sequence"))(
+            jnp.asarray(np.where(valid, lp, 0.0), jnp.float32)))
+        n, rows = valid.sum(1, keepdims=True), valid.any(1).sum()
+        dwant = np.where(valid, -(np.exp(x_seq)[:, None] - 1) / np.maximum(n, 1) / rows, 0.0)
+        np.testing.assert_allclose(g, dwant, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="level"):
+        losses.reference_kl(*args, estimator=estimator, level="row")
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_penalty_matches_numpy(estimator):
     r = np.random.default_rng(0)
@@ -166,7 +316,7 @@ def test_kl_penalty_matches_numpy(estimator):
     mask = (r.random((3, 5)) < 0.7).astype(np.float32)
     lp[mask == 0] = np.nan  # padding never reaches the estimate
     x = ref - lp
-    want = {"k1": -x, "k2": 0.5 * x ** 2, "k3": np.exp(x) - 1 - x}[estimator]
+    want = _np_kl(x, estimator)
     got = np.asarray(losses.kl_penalty(jnp.asarray(lp, jnp.float32),
                                        jnp.asarray(ref, jnp.float32),
                                        jnp.asarray(mask), estimator))
@@ -219,6 +369,8 @@ def test_kl_needs_a_reference(make_state, mesh_of):
         _step(make_state, mesh_of, kl_coef=0.1)
     with pytest.raises(ValueError, match="kl_estimator"):
         _step(make_state, mesh_of, kl_estimator="k9")
+    with pytest.raises(ValueError, match="kl_level"):
+        _step(make_state, mesh_of, kl_level="row")
     with pytest.raises(ValueError, match="updates_per_batch"):
         _step(make_state, mesh_of, updates_per_batch=0)
 
@@ -244,10 +396,12 @@ def test_config_choices_are_the_librarys():
 
     hints = typing.get_type_hints(ObjectiveConfig)
     assert typing.get_args(hints["kl_estimator"]) == losses.KL_ESTIMATORS
+    assert typing.get_args(hints["kl_level"]) == losses.KL_LEVELS
     # the mismatch metrics are metrics the step logs for every objective
     metrics = set(losses.AUX_KEYS) | {"token_gate_frac", "token_extreme_frac"}
     assert set(typing.get_args(typing.get_type_hints(TrainConfig)["mismatch_metric"])) <= metrics
     for bad in ("train.mini_batches=0", "objective.kl_coef=-1", "train.mismatch_target=0",
-                "train.max_fetches=0", "objective.kl_estimator=k4"):
+                "train.max_fetches=0", "objective.kl_estimator=k4",
+                "objective.kl_level=row"):
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             load_config(None, [bad])

@@ -1,5 +1,6 @@
 """A poisoned batch (reward 1e308 is inf in float32, NaN log-probs) never reaches the
-parameters: the step is skipped, counted, and the next good batch trains as usual."""
+parameters: the step is skipped, counted, and the next good batch trains as usual. A batch
+without an active token is skipped the same way."""
 
 import dataclasses
 
@@ -52,3 +53,33 @@ def test_nonfinite_batch_leaves_params_unchanged_and_is_counted(
     assert all(np.isfinite(x).all() for _, x in trained if np.issubdtype(x.dtype, np.floating))
     pairs = zip(_leaves(before), trained, strict=True)
     assert any(not np.array_equal(a, b) for (p, a), (_, b) in pairs if p.startswith("model"))
+
+
+@pytest.mark.slow
+def test_a_batch_without_active_tokens_skips_the_update(cached_step, make_state,
+                                                        synthetic_batch, host):
+    """loss_mask all 0: parameters and optimizer state (momentum, the schedule's count)
+    bit-identical, empty_steps = 1; after a good batch the momentum alone would have moved
+    the weights, so the test can tell."""
+    step = cached_step()
+    state = step.place_state(nnx.split(make_state(0))[1])
+    state, m = step(state, step.place_batch(synthetic_batch(0)))
+    assert float(m["empty_steps"]) == 0.0
+    before = host(state)
+    empty = synthetic_batch(1)
+    empty = dataclasses.replace(empty, loss_mask=np.zeros_like(empty.loss_mask))
+    state, m = step(state, step.place_batch(empty))
+    after = host(state)
+    assert (float(m["empty_steps"]), float(m["nonfinite_steps"])) == (1.0, 0.0)
+    for (path, a), (_, b) in zip(_leaves(before), _leaves(after), strict=True):
+        if path in ("step.value", "policy_version.value"):
+            assert int(b) == int(a) + 1, path  # the batch still counts as consumed
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=path)
+
+    state, m = step(state, step.place_batch(synthetic_batch(2)))
+    assert float(m["empty_steps"]) == 0.0
+    moved = _leaves(host(state))
+    for prefix in ("model", "optimizer"):
+        assert any(not np.array_equal(a, b) for (p, a), (_, b)
+                   in zip(_leaves(after), moved, strict=True) if p.startswith(prefix)), prefix

@@ -105,12 +105,43 @@ def test_a_batch_without_valid_rows_logs_finite_staleness(run_steps, batches):
 
 @pytest.mark.slow
 def test_grad_accumulation_equals_full_batch(reference, run_steps, batches):
+    """With SAT's gate over the whole batch (scope "batch"), grad_accum=2 is the batch."""
     ref_state, ref_metrics = reference
-    acc, acc_metrics = run_steps(batches, grad_accum=2)
+    # objective_hp as (key, value) pairs: hashable for the step cache, read by dict()
+    acc, acc_metrics = run_steps(batches, grad_accum=2, objective_hp=(("scope", "batch"),))
     for a, b in zip(acc_metrics, ref_metrics, strict=True):
         for key in ("loss", "grad_norm", "router_mismatch", "sat_tail_frac"):
             np.testing.assert_allclose(a[key], b[key], rtol=RTOL, atol=ATOL, err_msg=key)
     assert_trees_close(acc["model"], ref_state["model"])
+
+
+def _np_gate_per_micro(lp, batch, num):
+    """numpy: SAT-GSPO's default gate per strided micro-batch (rows m, m + num, ...): the
+    lower empirical 0.9 quantile of |d_i| (d_i the row's mean of lp - mu over its valid
+    tokens) counted once per valid token (the broadcast proxy), as a per-row array."""
+    valid = np.asarray(batch.loss_mask) > 0
+    d = np.where(valid, np.asarray(lp, np.float64) - batch.behavior_logprobs, 0.0)
+    n = valid.sum(1)
+    d_seq = d.sum(1) / np.maximum(n, 1)
+    q = np.zeros(len(n))
+    for m in range(num):
+        rows = np.arange(m, len(n), num)
+        x = np.sort(np.repeat(np.abs(d_seq[rows]), n[rows]))
+        q[rows] = x[int(np.ceil(0.9 * len(x))) - 1]
+    return q, n > 0
+
+
+@pytest.mark.slow
+def test_sat_gate_per_grad_accum_micro_batch(run_steps, batches, forward):
+    """grad_accum=2: the step's sat_q is the mean over the valid rows of the gate of the
+    row's micro-batch (rows m, m + 2, ...: the step's micro-batches), from numpy."""
+    batch = batches[0]
+    _, m = run_steps([batch], grad_accum=2, replay=False)
+    lp, _ = forward(batch)
+    q2, rows = _np_gate_per_micro(lp, batch, 2)
+    q1, _ = _np_gate_per_micro(lp, batch, 1)
+    assert abs(q2[rows].mean() - q1[rows].mean()) > 1e-4  # the test can tell
+    np.testing.assert_allclose(m[0]["sat_q"], q2[rows].mean(), rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -195,6 +226,35 @@ def test_optimizer_clips_by_global_norm():
     up_r, _ = reference.update({"w": grads["w"] * 0.1}, reference.init(params), params)
     np.testing.assert_allclose(up_c["w"], up_r["w"], rtol=1e-6)
     assert not np.allclose(up_c["w"], up_u["w"])
+
+
+def _adam_moments(opt_state):
+    """(mu, nu) of the one ScaleByAdamState in an optax state."""
+    (adam,) = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    return np.asarray(adam.mu["w"]), np.asarray(adam.nu["w"])
+
+
+@pytest.mark.parametrize("overrides, b1, b2", [([], 0.9, 0.999),
+                                               (["train.adam_b1=0.8", "train.adam_b2=0.98"],
+                                                0.8, 0.98)])
+def test_run_optimizer_threads_adams_decays(overrides, b1, b2):
+    """train.adam_b1 / adam_b2 reach Adam: after updates with g1, g2 (under the clip)
+    mu = b1 (1 - b1) g1 + (1 - b1) g2 and nu = b2 (1 - b2) g1^2 + (1 - b2) g2^2."""
+    from satjax.config import load_config
+    from satjax.train.trainer import run_optimizer
+
+    tx = run_optimizer(load_config(None, overrides))
+    params = {"w": np.zeros(2, np.float32)}
+    g1, g2 = np.asarray([0.3, -0.4], np.float32), np.asarray([0.1, 0.2], np.float32)
+    state = tx.init(params)
+    for g in (g1, g2):
+        _, state = tx.update({"w": g}, state, params)
+    mu, nu = _adam_moments(state)
+    np.testing.assert_allclose(mu, b1 * (1 - b1) * g1 + (1 - b1) * g2, rtol=1e-5)
+    np.testing.assert_allclose(nu, b2 * (1 - b2) * g1 ** 2 + (1 - b2) * g2 ** 2, rtol=1e-5)
+    with pytest.raises(ValueError, match="b2: must be >= 0 and < 1, got 1.0"):
+        make_optimizer(0.1, max_grad_norm=None, b2=1.0)
 
 
 def _staleness_reference(lp, mu, mask):
