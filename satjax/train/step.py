@@ -175,6 +175,10 @@ class _TrainStep:
         self.mesh = mesh
         self.objective_name = objective
         self.objective_fn = objectives.make(objective, **dict(objective_hp or {}))
+        # TIS weighs by min(pi_prox / mu, C), pi_prox the proximal policy (old_logprobs);
+        # with one update per batch that is the policy before this update, i.e. the
+        # detached log-probs of the update's own forward (_grads supplies them)
+        self.tis = objectives.hparams(objective, objective_hp).is_correction == "tis"
         self.replay = replay_mode(replay)
         self.grad_accum = grad_accum
         self.temperature = temperature
@@ -278,7 +282,9 @@ class _TrainStep:
 
         def total_loss(lp: jax.Array, ent: jax.Array | None) -> tuple[jax.Array, Metrics]:
             """The objective plus the KL and entropy terms, each logged."""
-            loss, oaux = self.objective_fn(lp, obj_batch)
+            prox = ({"old_logprobs": jax.lax.stop_gradient(lp)}
+                    if self.tis and "old_logprobs" not in obj_batch else {})
+            loss, oaux = self.objective_fn(lp, {**obj_batch, **prox})
             if ref_lp is None and ent is None:
                 return loss, oaux
             terms = {"policy_loss": loss}
@@ -509,7 +515,10 @@ def make_train_step(
         mini-batches (rows j, j+M, ...) and the optimizer steps once per mini-batch, for
         ``updates_per_batch`` passes; the ratio is clipped against the log-probs of the
         policy before the first update (``old_logprobs``), SAT's proxy and the IS
-        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``.
+        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``
+        (except under ``is_correction="tis"``, which needs the proximal policy: there the
+        detached log-probs of the update's own forward, the policy before it, so the
+        token gradient is ``min(pi / mu, C) * A``, slime's and verl's TIS).
         ``policy_version`` advances once per call whatever the number of updates; the
         state's ``step`` counts updates.
       kl_coef, kl_estimator: adds ``kl_coef * mean(kl_penalty(lp, ref_lp, estimator))``
