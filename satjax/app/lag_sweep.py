@@ -278,6 +278,9 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     result = {
         "variant": spec.variant, "lag": spec.lag, "lag_mode": spec.lag_mode,
         "seed": spec.seed, "steps": steps,
+        # what the row ran, as resolved (the variant's name is only a label)
+        "objective": cfg.objective.name, "hparams": cfg.objective.hparams,
+        "replay": cfg.train.replay,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
         "rewards": rewards, "seconds": time.time() - t0, "key": key,
     }
