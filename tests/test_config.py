@@ -18,6 +18,8 @@ from satjax.config import (
     config_digest,
     dump_config,
     load_config,
+    max_sequence_tokens,
+    train_buckets,
 )
 from satjax.factory import DTYPES
 
@@ -41,11 +43,12 @@ def test_defaults_and_yaml_roundtrip(tmp_path):
 
 
 def test_overrides_typed(tmp_path):
-    cfg = load_config(overrides=["objective.hparams.lam=0.5", "train.steps=7", "train.replay=false",
-                                 "train.learning_rate=1", "train.mesh.expert=4",
+    cfg = load_config(overrides=["objective.hparams.quantile=0.5", "train.steps=7",
+                                 "train.replay=false", "train.learning_rate=1",
+                                 "train.mesh.expert=4",
                                  "train.weight_decay=1e-3"])
     assert cfg.train.weight_decay == 1e-3
-    assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.07, "lam": 0.5}
+    assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.07, "quantile": 0.5}
     assert cfg.train.steps == 7 and cfg.train.replay == "off"
     assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
     assert cfg.train.mesh.expert == 4
@@ -259,6 +262,16 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
 
     paper = Path(REPO) / "configs/qwen3-30b-a3b.yaml"
     cfg = load_config(paper)
+    # the Setup box of the SAT-GSPO+R3 row: lag 8 as a broadcast interval, 32k responses
+    # in a bucket that holds prompt + response, 4,096 rows as 64 micro-steps over 64 devices
+    assert (cfg.objective.name, cfg.objective.hparams, cfg.train.replay) == (
+        "sat_gspo", {}, "experts")
+    assert (cfg.train.broadcast_every, cfg.train.exact_lag) == (8, -1)
+    assert max(cfg.train.buckets) == max_sequence_tokens(cfg) == 512 + 32768
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert rows == 4096 and rows // cfg.train.grad_accum == cfg.train.mesh.size == 64
+    eight_k = load_config(paper, ["rollout.max_new_tokens=7680"])
+    assert min(b for b in train_buckets(eight_k) if b >= max_sequence_tokens(eight_k)) == 8192
     shape = model_config(cfg)  # the architecture, without weights or a tokenizer
     assert (shape.num_hidden_layers, shape.num_experts, shape.num_experts_per_tok,
             shape.vocab_size) == (48, 128, 8, 151936)

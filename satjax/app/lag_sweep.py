@@ -49,23 +49,42 @@ from typing import Any
 from satjax.app.sweep_spec import RunSpec
 from satjax.utils import versions_line
 
+# The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
+# (radii (0.2, 0.2) for GRPO, GSPO and their SAT variants alike): TIS truncates the
+# importance weight against the rollout engine's log-probs at 2 (token level); DPPO-TV runs
+# at delta 1e-3 (its own default is the DPPO paper's 0.15).
+_TIS = {"is_correction": "tis", "is_threshold": 2.0}
+_DPPO_DELTA = {"delta_low": 1e-3, "delta_high": 1e-3}
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: objective, routing replay (train.replay: off, experts = R3, gates), whether the
-    # clip radius is sequence-level (GSPO family), whether the lag is bounded by measured
-    # mismatch. The SAT paper's rows plus PPO-clip, DPPO-Binary-TV and two of satjax's own:
-    # gate replay and the mismatch-bounded lag. SAT-GRPO is the token-level SAT clip
-    # (`sat_ppo`: GRPO's token ratios with SAT's per-token interval; it averages tokens over
-    # the batch where GRPO averages within each sequence first, the same where every
-    # answer has the same length).
-    "ppo_clip": {"objective": "ppo_clip", "replay": "off", "sequence_level": False},
+    # clip radius is sequence-level (GSPO family: --seq-eps applies), optional "hparams"
+    # (over the objective's defaults, under --seq-eps and every --set), optional "bounded"
+    # (the lag bounded by measured mismatch). First the SAT paper's 13 rows (PAPER_VARIANTS),
+    # then PPO-clip and two of satjax's own: gate replay and the mismatch-bounded lag.
+    # SAT-GRPO is `sat_grpo`: GRPO's token ratios and reduction (each sequence's mean, then
+    # the mean over sequences) with SAT's per-token interval; `sat_ppo` is the same clip with
+    # PPO's token mean over the batch (equal only where every answer has the same length).
     "grpo": {"objective": "grpo", "replay": "off", "sequence_level": False},
     "gspo": {"objective": "gspo", "replay": "off", "sequence_level": True},
-    "sat_gspo": {"objective": "sat_gspo", "replay": "off", "sequence_level": True},
+    "grpo_r3": {"objective": "grpo", "replay": "experts", "sequence_level": False},
     "gspo_r3": {"objective": "gspo", "replay": "experts", "sequence_level": True},
-    "sat_grpo_r3": {"objective": "sat_ppo", "replay": "experts", "sequence_level": False},
+    "grpo_tis": {"objective": "grpo", "replay": "off", "sequence_level": False,
+                 "hparams": _TIS},
+    "gspo_tis": {"objective": "gspo", "replay": "off", "sequence_level": True,
+                 "hparams": _TIS},
+    "grpo_tis_r3": {"objective": "grpo", "replay": "experts", "sequence_level": False,
+                    "hparams": _TIS},
+    "gspo_tis_r3": {"objective": "gspo", "replay": "experts", "sequence_level": True,
+                    "hparams": _TIS},
+    # DPPO-Binary-TV: no ratio clip (--seq-eps does not apply), tokens dropped by p - q
+    "dppo_tv": {"objective": "dppo_tv", "replay": "off", "sequence_level": False,
+                "hparams": _DPPO_DELTA},
+    "sat_grpo": {"objective": "sat_grpo", "replay": "off", "sequence_level": False},
+    "sat_gspo": {"objective": "sat_gspo", "replay": "off", "sequence_level": True},
+    "sat_grpo_r3": {"objective": "sat_grpo", "replay": "experts", "sequence_level": False},
     "sat_gspo_r3": {"objective": "sat_gspo", "replay": "experts", "sequence_level": True},
-    # DPPO at its own thresholds (no ratio clip, so --seq-eps does not apply)
-    "dppo_tv": {"objective": "dppo_tv", "replay": "off", "sequence_level": False},
+    "ppo_clip": {"objective": "ppo_clip", "replay": "off", "sequence_level": False},
     # SAT-GSPO replaying the engine's experts and gate weights (train.replay=gates)
     "sat_gspo_gates": {"objective": "sat_gspo", "replay": "gates", "sequence_level": True},
     # GSPO whose lag is lowered while the measured mismatch is over train.mismatch_target
@@ -73,6 +92,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gspo_bounded": {"objective": "gspo", "replay": "off", "sequence_level": True,
                      "bounded": True},
 }
+# The SAT paper's comparison grid, in its order: `--variants paper`
+PAPER_VARIANTS: tuple[str, ...] = (
+    "grpo", "gspo", "grpo_r3", "gspo_r3", "grpo_tis", "gspo_tis", "grpo_tis_r3",
+    "gspo_tis_r3", "dppo_tv", "sat_grpo", "sat_gspo", "sat_grpo_r3", "sat_gspo_r3")
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective's scores alone
 # ... and one mechanism check that reads no score: this objective's newly clipped share at
 # the largest lag (sweep_report.MECHANISM_MIN_NEWLY_CLIPPED)
@@ -106,11 +129,27 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
     return common, per_variant
 
 
+def variant_names(text: str | None) -> list[str]:
+    """``--variants``' value as variant names, in order, each once: None is every variant;
+    ``paper`` stands for :data:`PAPER_VARIANTS` (e.g. ``paper,ppo_clip``). Unknown names
+    are returned as they are, for the caller to report.
+
+    >>> variant_names("ppo_clip,paper")[:3]
+    ['ppo_clip', 'grpo', 'gspo']
+    >>> len(variant_names("paper")), len(variant_names("paper,gspo"))
+    (13, 13)
+    """
+    names = [v for v in (text or ",".join(VARIANTS)).split(",") if v]
+    expanded = [n for v in names for n in (PAPER_VARIANTS if v == "paper" else (v,))]
+    return list(dict.fromkeys(expanded))
+
+
 def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out: str,
                warmup_dir: str, steps: int, seq_eps: tuple[float, float] | None):
     """The full config of one run: the base config and ``overrides`` (see
     :func:`split_overrides`), the variant's objective with its own default hyperparameters
-    (then ``seq_eps`` for the GSPO family, then the ``objective.*`` overrides), the lag
+    (then the variant's ``hparams``, then ``seq_eps`` for the GSPO family, then the
+    ``objective.*`` overrides for every run, then the variant's own), the lag
     (an exact lag or a broadcast interval, ``spec.lag_mode``; the other one off)."""
     from satjax.config import load_config
 
@@ -127,6 +166,7 @@ def run_config(spec: RunSpec, base_config: str | None, overrides: list[str], out
         *([f"train.exact_lag={spec.lag}", "train.broadcast_every=0"] if spec.lag_mode == "exact"
           else ["train.exact_lag=-1", f"train.broadcast_every={spec.lag}"]),
         "objective.hparams={}",
+        *(f"objective.hparams.{k}={json.dumps(v)}" for k, v in variant.get("hparams", {}).items()),
         *([f"objective.hparams.eps_low={seq_eps[0]}", f"objective.hparams.eps_high={seq_eps[1]}"]
           if seq_eps and variant["sequence_level"] else []),
         *objective, *per_variant.get(spec.variant, []),
@@ -238,6 +278,9 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     result = {
         "variant": spec.variant, "lag": spec.lag, "lag_mode": spec.lag_mode,
         "seed": spec.seed, "steps": steps,
+        # what the row ran, as resolved (the variant's name is only a label)
+        "objective": cfg.objective.name, "hparams": cfg.objective.hparams,
+        "replay": cfg.train.replay,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
         "rewards": rewards, "seconds": time.time() - t0, "key": key,
     }
@@ -287,7 +330,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default="runs/lag_sweep",
                    help="output directory (default: %(default)s)")
     p.add_argument("--variants", default=None,
-                   help=f"comma-separated objectives to compare (default: {','.join(VARIANTS)})")
+                   help="comma-separated objectives to compare; 'paper' stands for the SAT "
+                        f"paper's 13 rows ({','.join(PAPER_VARIANTS)}) (default: "
+                        f"{','.join(VARIANTS)})")
     p.add_argument("--lags", default="1,2,4,8,16",
                    help="comma-separated policy lags: exact lags, or broadcast intervals "
                         "under --lag-mode broadcast (default: %(default)s)")
@@ -312,7 +357,7 @@ def main(argv: list[str]) -> int:
                    metavar="LOW,HIGH",
                    help="clip radius of the GSPO-family objectives (default: %(default)s, the "
                         "tiny task's, sized for 2-3 token answers; 'own' keeps each "
-                        "objective's default, the paper's 3e-4,4e-4 for ~1000-token answers)")
+                        "objective's default, the SAT paper's 0.2,0.2)")
     p.add_argument("--selection", action="store_true",
                    help=f"the selection phase: {SELECTION_VARIANT} at the smallest and the "
                         "largest of --lags, plus selection.md saying whether its score drops "
@@ -323,10 +368,11 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.selection and args.variants is not None:
         p.error(f"--selection: runs {SELECTION_VARIANT} only; drop --variants")
-    variants = [v for v in (args.variants or ",".join(VARIANTS)).split(",") if v]
+    variants = variant_names(args.variants)
     unknown = set(variants) - set(VARIANTS)
     if unknown:
-        p.error(f"--variants: must be among {', '.join(VARIANTS)}, got {sorted(unknown)}")
+        p.error(f"--variants: must be among {', '.join(VARIANTS)} or 'paper', got "
+                f"{sorted(unknown)}")
     try:
         lags = [int(x) for x in args.lags.split(",")]
         seeds = [int(x) for x in args.seeds.split(",")]

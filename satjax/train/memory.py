@@ -89,7 +89,8 @@ def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = 
                  micro_batch: int = 1, seq_len: int) -> StepMemory:
     """Compiles the run's train step for ``mcfg`` (at ``num_layers`` deep if given) on the
     config's mesh over ``jax.devices()`` with ``micro_batch`` sequences of ``seq_len``
-    tokens per device per micro-step, and returns its per-device bytes.
+    tokens per device per micro-step, and returns its per-device bytes (with the
+    reference policy's parameters and forward when ``objective.kl_coef > 0``).
 
     The batch holds ``micro_batch x data-parallel size x grad_accum`` rows, as
     ``satjax.train.batch.make_batch`` pads a real one.
@@ -103,7 +104,9 @@ def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = 
         Qwen3MoeForCausalLM(mcfg, rngs=nnx.Rngs(0), **model_options(cfg)),
         run_optimizer(cfg)))
     graphdef, state = nnx.split(abstract)
-    step = run_train_step(cfg, graphdef, state, mesh)
+    # objective.kl_coef > 0: the frozen reference policy, a second copy of the parameters
+    reference = nnx.state(abstract.model, nnx.Param) if cfg.objective.kl_coef > 0 else None
+    step = run_train_step(cfg, graphdef, state, mesh, reference)
     rows = micro_batch * parallel.data_parallel_size(mesh) * cfg.train.grad_accum
     if rows % cfg.rollout.group_size:
         raise ValueError(f"micro_batch: {rows} rows ({micro_batch} per device x data-parallel "

@@ -212,8 +212,12 @@ class _TrainStep:
         if kl_coef > 0:
             assert reference is not None  # checked above
             self.reference_shardings = parallel.state_shardings(reference, mesh)
-            self.reference = jax.device_put(jax.tree.map(jnp.copy, reference),
-                                            self.reference_shardings)
+            # abstract (ShapeDtypeStructs: a step compiled without weights, as
+            # satjax.train.memory.compile_step does) it stays abstract; lower() takes it
+            abstract = all(isinstance(x, jax.ShapeDtypeStruct)
+                           for x in jax.tree.leaves(reference))
+            self.reference = reference if abstract else jax.device_put(
+                jax.tree.map(jnp.copy, reference), self.reference_shardings)
         self.num_compilations = 0
         self.traced_shapes: list[tuple[int, ...]] = []
         self._jitted: dict[Any, jax.stages.Wrapped] = {}

@@ -74,14 +74,15 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
     spec = RunSpec("gspo", 2, 0)
     sat = RunSpec("sat_gspo", 2, 0)
     overrides = ["eval.k=2", "objective.hparams.is_correction=tis",
-                 "gspo:objective.hparams.eps_high=0.5", "sat_gspo:objective.hparams.lam=0.25"]
+                 "gspo:objective.hparams.eps_high=0.5", "sat_gspo:objective.hparams.quantile=0.8"]
     cfg = lag_sweep.run_config(spec, None, overrides, "out", "warm", 7, (0.05, 0.07))
     assert (cfg.objective.name, cfg.train.exact_lag, cfg.train.steps, cfg.eval.k) == (
         "gspo", 2, 7, 2)
     # the variant's own defaults, then --seq-eps, then objective.* for all, then its own
     assert cfg.objective.hparams == {"eps_low": 0.05, "eps_high": 0.5, "is_correction": "tis"}
     sat_cfg = lag_sweep.run_config(sat, None, overrides, "out", "warm", 7, (0.05, 0.07))
-    assert (sat_cfg.objective.hparams["lam"], sat_cfg.objective.hparams["eps_high"]) == (0.25, 0.07)
+    assert (sat_cfg.objective.hparams["quantile"], sat_cfg.objective.hparams["eps_high"]) == (
+        0.8, 0.07)
 
     key = lag_sweep.run_key(cfg, 20, {"sft": 1})
     assert key == lag_sweep.run_key(cfg, 20, {"sft": 1})
@@ -106,6 +107,25 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
         lag_sweep.run_config(RunSpec("gspo_bounded", 8, 0), None, [], "out", "warm", 7, None)
     with pytest.raises(ValueError, match="'nope' must be one of"):
         lag_sweep.split_overrides(["gspo,nope:train.steps=3"])
+    # a row's own hparams (TIS at 2, DPPO's delta 1e-3) under --seq-eps and every --set
+    tis = lag_sweep.run_config(RunSpec("gspo_tis_r3", 2, 0), None,
+                               ["gspo_tis_r3:objective.hparams.is_threshold=3"], "out", "warm",
+                               7, (0.05, 0.07))
+    assert (tis.objective.name, tis.train.replay) == ("gspo", "experts")
+    assert tis.objective.hparams == {"is_correction": "tis", "is_threshold": 3.0,
+                                     "eps_low": 0.05, "eps_high": 0.07}
+    dppo = lag_sweep.run_config(RunSpec("dppo_tv", 2, 0), None,
+                                ["objective.hparams.delta_high=0.01"], "out", "warm", 7,
+                                (0.05, 0.07))
+    assert dppo.objective.hparams == {"delta_low": 1e-3, "delta_high": 0.01}
+    sat_grpo = lag_sweep.run_config(RunSpec("sat_grpo_r3", 2, 0), None, [], "out", "warm", 7,
+                                    None)
+    assert (sat_grpo.objective.name, sat_grpo.objective.hparams) == ("sat_grpo", {})
+    # --variants: 'paper' is the 13 rows in order, each name once
+    assert lag_sweep.variant_names("ppo_clip,paper,gspo") == [
+        "ppo_clip", *lag_sweep.PAPER_VARIANTS]
+    assert lag_sweep.variant_names(None) == list(lag_sweep.VARIANTS)
+    assert set(lag_sweep.PAPER_VARIANTS) < set(lag_sweep.VARIANTS)
 
 
 @pytest.mark.slow
@@ -196,3 +216,42 @@ def test_long_answer_test_bed_runs_and_a_bounded_lag_follows_the_mismatch(tmp_pa
     # step 1: one version exists; each batch over the target lowers the limit by one
     assert [m["lag_mean"] for m in records] == [0.0, 1.0, 0.0]
     assert [m["lag_limit"] for m in records] == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_every_row_of_the_papers_grid_runs(tmp_path):
+    """``--variants paper``: each of the 13 rows trains two steps in-process (``run_one``)
+    from a fresh tiny policy at broadcast interval 2 and ends finite, having run the
+    objective, routing replay and hyperparameters its row names: TIS rows weigh tokens
+    (``is_weight_mean`` off 1 once the lag is 1), the others do not; R3 rows apply the
+    engine's experts (no router mismatch applied)."""
+    import math
+
+    from satjax.app import lag_sweep
+
+    rows = lag_sweep.variant_names("paper")
+    assert rows == list(lag_sweep.PAPER_VARIANTS) and len(rows) == 13
+    steps = 2
+    for variant in rows:
+        spec = RunSpec(variant, 2, 0, "broadcast")
+        cfg = lag_sweep.run_config(
+            spec, None,
+            ["eval.num_prompts=2", "eval.k=1", "rollout.prompts_per_step=2",
+             "rollout.group_size=2", "train.mesh={data: 1}"],
+            str(tmp_path), "", steps, None)
+        result = lag_sweep.run_one(spec, cfg, str(tmp_path), steps, "key",
+                                   compile_cache=str(tmp_path / "jax_cache"))
+        row = lag_sweep.VARIANTS[variant]
+        assert (result["objective"], result["replay"]) == (row["objective"], row["replay"])
+        assert result["hparams"] == row.get("hparams", {}), variant
+        assert math.isfinite(result["final_avg_at_k"]) and all(
+            math.isfinite(r) for r in result["rewards"]), variant
+        records = [json.loads(line) for line in
+                   (spec.run_dir(tmp_path) / "logs" / "metrics.jsonl").open()]
+        assert [m["lag_mean"] for m in records] == [0.0, 1.0]
+        assert all(math.isfinite(m["loss"]) and m["nonfinite_steps"] == 0 for m in records)
+        tis = row.get("hparams", {}).get("is_correction") == "tis"
+        assert (records[-1]["is_weight_mean"] != 1.0) == tis, (variant, records[-1])
+        if row["replay"] == "experts":
+            assert all(m["router_mismatch_applied"] == 0.0 for m in records), variant
+    assert result["hparams"] == {} and result["objective"] == "sat_gspo"  # the last row

@@ -52,6 +52,10 @@ def test_step_memory_of_the_tiny_run_on_8_devices(tiny):
     one_r = compile_step(full, shape, micro_batch=1, seq_len=256)
     two_r = compile_step(full, shape, micro_batch=2, seq_len=256)
     assert (two_r.temporaries - one_r.temporaries) < 0.5 * (two.temporaries - one.temporaries)
+    # a KL to the reference policy: its parameters are one more argument
+    kl = dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, kl_coef=1e-3))
+    one_kl = compile_step(kl, shape, micro_batch=1, seq_len=256)
+    assert one_kl.arguments > one.arguments
     odd_groups = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
                                                                      group_size=3))
     with pytest.raises(ValueError, match="whole groups"):

@@ -170,6 +170,27 @@ def test_replay_matters_for_foreign_routes(reference, run_steps, batches, refere
     assert not np.isclose(m_on[0]["loss"], m_off[0]["loss"], rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
+def test_tis_with_one_update_weighs_by_the_policy_before_it(run_steps, batches, forward):
+    """One update per batch and is_correction="tis": the step supplies the proximal policy
+    (the detached log-probs of its own forward), so the loss is the objective given
+    old_logprobs = lp and the weight is min(exp(lp - mu), 2), checked in numpy."""
+    tis = (("is_correction", "tis"), ("is_threshold", 2.0))
+    _, m = run_steps(batches[:1], objective="grpo", objective_hp=tis, replay=False)
+    b = batches[0]
+    lp, _ = forward(b)
+    mask = np.asarray(b.loss_mask)
+    w = np.minimum(np.exp(np.asarray(lp) - np.asarray(b.behavior_logprobs)), 2.0)
+    np.testing.assert_allclose(m[0]["is_weight_mean"], (w * mask).sum() / mask.sum(),
+                               rtol=1e-5)
+    assert m[0]["is_weight_mean"] != 1.0
+    ref_loss, _ = objectives.make("grpo", is_correction="tis")(lp, {
+        "behavior_logprobs": b.behavior_logprobs, "advantages": batch_advantages(b),
+        "mask": b.loss_mask, "old_logprobs": lp})
+    np.testing.assert_allclose(m[0]["loss"], ref_loss, rtol=RTOL, atol=ATOL)
+    assert m[0]["clip_frac_low"] == m[0]["clip_frac_high"] == 0.0  # pi / pi_prox = 1
+
+
 @pytest.mark.parametrize("name", sorted(objectives.DEFAULTS))
 def test_every_objective_traces_in_the_step(name, make_state, mesh_of, batches):
     # Tracing + lowering checks the wiring of every objective without an XLA compile each
