@@ -267,6 +267,9 @@ def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
     assert (cfg.objective.name, cfg.objective.hparams, cfg.train.replay) == (
         "sat_gspo", {}, "experts")
     assert (cfg.train.broadcast_every, cfg.train.exact_lag) == (8, -1)
+    assert (cfg.train.adam_b1, cfg.train.adam_b2, cfg.train.learning_rate) == (0.9, 0.98, 1e-6)
+    assert (cfg.objective.kl_coef, cfg.objective.kl_estimator, cfg.objective.kl_level) == (
+        1e-3, "low_var_kl", "sequence")
     assert max(cfg.train.buckets) == max_sequence_tokens(cfg) == 512 + 32768
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert rows == 4096 and rows // cfg.train.grad_accum == cfg.train.mesh.size == 64
