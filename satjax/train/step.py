@@ -70,8 +70,9 @@ def staleness_metrics(logprobs: jax.Array, behavior_logprobs: jax.Array,
     """Token-level staleness diagnostics of a batch, for every objective alike.
 
     With ``d = lp - mu`` per token ([B, T]), ``d_i`` its mean over row i's valid tokens
-    (SAT-GSPO's sequence proxy) and ``q`` SAT's gate, the ``SatKernelHParams().quantile``
-    (0.9) quantile of ``|d_i|`` over the valid rows:
+    (SAT-GSPO's sequence proxy) and ``q`` SAT-GSPO's default gate, the lower empirical
+    ``SatKernelHParams().quantile`` (0.9) quantile of ``|d_i|`` over the valid tokens
+    (each row's ``|d_i|`` once per valid token: the paper's broadcast proxy), whole batch:
 
     * ``token_gate_frac``: fraction of valid tokens with ``|d| > q`` (0 when ``q == 0``):
       how many single tokens stray past the gate the sequence-level objective applies;
@@ -87,8 +88,10 @@ def staleness_metrics(logprobs: jax.Array, behavior_logprobs: jax.Array,
                   - behavior_logprobs.astype(jnp.float32), 0.0)
     lengths = jnp.sum(vf, axis=1)
     d_seq = jnp.sum(d, axis=1) / jnp.maximum(lengths, 1.0)
-    gate = losses.masked_quantile(jnp.abs(d_seq), losses.SatKernelHParams().quantile,
-                                  lengths > 0)
+    # SAT-GSPO's default gate: the sequence proxy broadcast to its tokens, lower quantile
+    gate = losses.masked_quantile(jnp.abs(d_seq)[:, None] * vf,
+                                  losses.SatKernelHParams().quantile, valid,
+                                  method="inverted_cdf")
     return {
         "token_gate_frac": losses.masked_mean(((jnp.abs(d) > gate) & (gate > 0))
                                               .astype(jnp.float32), valid),

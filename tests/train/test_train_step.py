@@ -284,7 +284,9 @@ def _staleness_reference(lp, mu, mask):
     d = np.where(valid, lp - mu, 0.0)
     rows = valid.any(axis=1)
     d_seq = d.sum(axis=1)[rows] / valid.sum(axis=1)[rows]
-    gate = np.quantile(np.abs(d_seq), 0.9)
+    # token-weighted (each row's |d_i| once per valid token), lower empirical quantile
+    gate = np.quantile(np.repeat(np.abs(d_seq), valid.sum(axis=1)[rows]), 0.9,
+                       method="inverted_cdf")
     dv = d[valid]
     return (float(np.mean(np.abs(dv) > gate)) if gate > 0 else 0.0,
             float(np.mean(np.abs(dv) > np.log(2.0))),
