@@ -35,3 +35,18 @@ def command_parser(monkeypatch):
         return e.value.args[0]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _no_process_wide_compile_cache():
+    """A test that points JAX's persistent compile cache somewhere leaves it set for every
+    later test in this process (one such leak crashed CI writing a later test's executable
+    there): fail the test that does it instead."""
+    yield
+    import sys
+
+    if "jax" in sys.modules:
+        import jax
+
+        assert jax.config.jax_compilation_cache_dir is None, (
+            "this test left JAX's compilation cache dir set; run such code in a subprocess")
