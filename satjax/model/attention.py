@@ -376,8 +376,9 @@ def splash_attention(q: Array, k: Array, v: Array, valid: Array, *,
 def _per_shard(fn, q: Array, k: Array, v: Array, valid: Array) -> Array:
     """``fn(q, k, v, valid)`` run by each device on its own batch rows (and its own heads
     when both H and Hkv divide over ``tensor``) under the current mesh; ``fn`` itself
-    without one. A Pallas kernel is a per-device program that GSPMD cannot partition, and
-    the blockwise loops' carries would otherwise be left to GSPMD's propagation."""
+    without one; mesh axes neither of those use hold replicas. A Pallas kernel is a
+    per-device program that GSPMD cannot partition, and the blockwise loops' carries would
+    otherwise be left to GSPMD's propagation."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return fn(q, k, v, valid)
@@ -388,11 +389,9 @@ def _per_shard(fn, q: Array, k: Array, v: Array, valid: Array) -> Array:
     q_heads = q_spec[2] if len(q_spec) > 2 else None
     kv_heads = kv_spec[2] if len(kv_spec) > 2 else None
     heads = q_heads if q_heads == kv_heads else None  # a kv head's queries on its device
-    manual = {a for axes in (rows, heads) if axes is not None
-              for a in (axes if isinstance(axes, tuple) else (axes,))}
-    if not manual:
-        return fn(q, k, v, valid)
     x_spec = P(rows, None, heads, None)
+    # Every axis manual, the unused ones replicated: Mosaic refuses a kernel left to GSPMD
+    # on any axis, even one of size 1 (found compiling for a TPU topology).
     # check_vma=False: the kernels' loop carries start as replicated zeros
     return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, P(rows, None)),
-                         out_specs=x_spec, axis_names=manual, check_vma=False)(q, k, v, valid)
+                         out_specs=x_spec, check_vma=False)(q, k, v, valid)
