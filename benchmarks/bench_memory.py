@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     from satjax.config import load_config
     from satjax.model.attention import causal_blocks
     from satjax.train.memory import (
+        StepMemory,
         attention_flops_per_token,
         compile_step,
         model_flops_per_token,
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     for n in layers:
         for mb in (args.micro_batch, 2 * args.micro_batch):
             t0 = time.perf_counter()
-            stats[n, mb] = compile_step(cfg, mcfg, num_layers=n, micro_batch=mb,
-                                        seq_len=args.seq_len)
+            stats[n, mb] = StepMemory.of(compile_step(cfg, mcfg, num_layers=n,
+                                                      micro_batch=mb, seq_len=args.seq_len))
             print(f"compiled {n} layers, micro-batch {mb}: {time.perf_counter() - t0:.0f} s "
                   f"({stats[n, mb].summary()})", flush=True)
     if len(layers) == 1:

@@ -16,6 +16,7 @@ rule until it is (down to full replication), so odd shapes never crash sharding.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -42,7 +43,9 @@ __all__ = [
     "init_distributed",
     "logical_to_spec",
     "make_mesh",
+    "parse_topology",
     "state_shardings",
+    "topology_devices",
 ]
 
 LogicalRules = tuple[tuple[str, tuple[str, ...]], ...]
@@ -77,6 +80,47 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     except Exception:  # noqa: BLE001 - any failure just means "use the plain order"
         grid = np.asarray(devices, dtype=object).reshape(cfg.shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# TPU generations as JAX's topology names spell them (``v5p:4x4x4``: chips along each
+# torus axis), with libtpu's per-generation options: v4's two TensorCores per chip are one
+# JAX device ("megacore"), as on a v4 VM.
+TPU_TOPOLOGY_OPTIONS: dict[str, dict[str, str]] = {
+    "v4": {"chip_config_name": "megacore"}, "v5e": {}, "v5p": {}, "v6e": {}}
+
+
+def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    """``"v5p:4x4x4"`` -> ``("v5p", (4, 4, 4))``: the generation and the chips along each
+    axis. Raises ValueError (one line) for anything else."""
+    gen, _, shape = topology.partition(":")
+    dims = shape.split("x")
+    if gen not in TPU_TOPOLOGY_OPTIONS or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise ValueError(f"topology {topology!r}: expected GENERATION:AxB[xC] with a "
+                         f"generation of {', '.join(TPU_TOPOLOGY_OPTIONS)}, e.g. v5p:4x4x4")
+    return gen, tuple(int(d) for d in dims)
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+    """The devices of a named TPU slice (``"v5p:4x4x4"``, ``"v5e:2x2"``, ``"v6e:8x8"``,
+    ``"v4:2x2x1"``): one per chip, for an ahead-of-time compile by the TPU compiler on any
+    host, no TPU needed (libtpu, the ``tpu`` extra; ``jax.experimental.topologies``).
+    :func:`make_mesh` builds a mesh over them; arrays cannot be placed on them.
+
+    Raises ValueError (one line) for an unknown generation or shape, or without libtpu.
+    """
+    from jax.experimental import topologies
+
+    gen, _ = parse_topology(topology)
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError(f"topology {topology!r}: needs the TPU compiler (libtpu): "
+                         f"pip install 'satjax[tpu]'")
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                            **TPU_TOPOLOGY_OPTIONS[gen])
+    except Exception as e:  # noqa: BLE001 - libtpu's errors are many lines; keep the first
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"topology {topology!r}: {first}") from None
+    return list(desc.devices)
 
 
 def _rule_table(rules: LogicalRules) -> dict[str, tuple[str, ...]]:

@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("satjax.app.commands", "export",
                "a published version (full or delta) as a complete Hugging Face model"),
     "lag-sweep": ("satjax.app.lag_sweep", "main", "objectives x lags x seeds experiment"),
+    "plan": ("satjax.app.plan", "main",
+             "compile a run for a TPU slice (no TPU needed): per-chip memory, FLOPs, "
+             "collectives"),
 }
 
 

@@ -267,12 +267,13 @@ def _grouped_bwd(saved, dout):
 grouped_experts.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def resolve_moe_impl(moe_impl: str) -> str:
-    """Map "auto" to the fastest dropless implementation for the default backend."""
+def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
+    """Map "auto" to the fastest dropless implementation for ``backend`` (default: JAX's
+    default backend)."""
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
     if moe_impl == "auto":
-        return "grouped" if jax.default_backend() == "cpu" else "ragged"
+        return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
     return moe_impl
 
 

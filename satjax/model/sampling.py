@@ -203,6 +203,34 @@ _decode_jit = jax.jit(_decode, static_argnums=(0,), static_argnames=(
     "greedy", "stop_ids", "pad_id"))
 
 
+def compile_sampler(model: Qwen3MoeForCausalLM, rows: int, prompt_len: int, *,
+                    max_new_tokens: int, dtype: jnp.dtype | None = None,
+                    record_logits: bool = False, batch_sharding: Any = None,
+                    ) -> tuple[jax.stages.Compiled, jax.stages.Compiled]:
+    """The sampler's two programs, compiled for ``rows`` prompts of ``prompt_len`` tokens
+    and ``max_new_tokens`` to generate: the prefill (the prompts' forward into the KV
+    cache) and the decode loop, as :class:`Generation` runs them. ``model`` may be
+    abstract (``nnx.eval_shape``, its arrays carrying shardings) and the prompts are
+    placed by ``batch_sharding``: an ahead-of-time compile (``satjax plan``, under
+    ``jax.set_mesh``), nothing computed. The decode loop takes the cache as the prefill
+    lays it out.
+    """
+    graphdef, state = nnx.split(model if dtype is None else with_compute_dtype(model, dtype))
+    tokens = jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32, sharding=batch_sharding)
+    mask = jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_, sharding=batch_sharding)
+    prefill = _prefill_jit.lower(graphdef, state, tokens, mask, 0,
+                                 max_new_tokens=max_new_tokens, record_logits=record_logits,
+                                 pad_id=0).compile()
+    carry = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                         prefill.out_info, prefill.output_shardings)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    count = jax.ShapeDtypeStruct((), jnp.int32)
+    decode = _decode_jit.lower(graphdef, state, carry, jax.eval_shape(jax.random.key, 0),
+                               scalar, count, scalar, count, count, greedy=False, stop_ids=(),
+                               pad_id=0).compile()
+    return prefill, decode
+
+
 class Generation:
     """One batch being sampled: the prompts' prefill, then decode in segments, each with
     the weights the caller gives it (a partial rollout moves to new weights mid-batch).

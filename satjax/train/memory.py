@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,15 @@ class StepMemory:
     @property
     def peak(self) -> int:
         return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    @classmethod
+    def of(cls, compiled: jax.stages.Compiled) -> StepMemory:
+        """The per-device bytes XLA's buffer assignment gave ``compiled``."""
+        m = compiled.memory_analysis()
+        if m is None:
+            raise ValueError("this backend's compiler reports no memory analysis")
+        return cls(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+                   aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes)
 
     def summary(self) -> str:
         gib = 1 << 30
@@ -86,11 +96,14 @@ def abstract_batch(cfg: Config, mcfg: Qwen3MoeConfig, rows: int, seq_len: int) -
 
 
 def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = None,
-                 micro_batch: int = 1, seq_len: int) -> StepMemory:
+                 micro_batch: int = 1, seq_len: int,
+                 devices: Sequence[jax.Device] | None = None) -> jax.stages.Compiled:
     """Compiles the run's train step for ``mcfg`` (at ``num_layers`` deep if given) on the
-    config's mesh over ``jax.devices()`` with ``micro_batch`` sequences of ``seq_len``
-    tokens per device per micro-step, and returns its per-device bytes (with the
-    reference policy's parameters and forward when ``objective.kl_coef > 0``).
+    config's mesh over ``devices`` (default ``jax.devices()``; or a TPU topology's,
+    :func:`satjax.parallel.topology_devices`) with ``micro_batch`` sequences of
+    ``seq_len`` tokens per device per micro-step, with the reference policy's parameters
+    and forward when ``objective.kl_coef > 0``. Nothing is allocated;
+    :meth:`StepMemory.of` reads its per-device bytes.
 
     The batch holds ``micro_batch x data-parallel size x grad_accum`` rows, as
     ``satjax.train.batch.make_batch`` pads a real one.
@@ -99,7 +112,8 @@ def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = 
         mcfg = dataclasses.replace(mcfg, num_hidden_layers=num_layers,
                                    mlp_only_layers=tuple(i for i in mcfg.mlp_only_layers
                                                          if i < num_layers))
-    mesh = parallel.make_mesh(cfg.train.mesh, jax.devices()[: cfg.train.mesh.size])
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = parallel.make_mesh(cfg.train.mesh, devices[: cfg.train.mesh.size])
     abstract = nnx.eval_shape(lambda: TrainState(
         Qwen3MoeForCausalLM(mcfg, rngs=nnx.Rngs(0), **model_options(cfg)),
         run_optimizer(cfg)))
@@ -112,10 +126,7 @@ def compile_step(cfg: Config, mcfg: Qwen3MoeConfig, *, num_layers: int | None = 
         raise ValueError(f"micro_batch: {rows} rows ({micro_batch} per device x data-parallel "
                          f"size x grad_accum) do not hold whole groups of "
                          f"{cfg.rollout.group_size}")
-    compiled = step.lower(state, abstract_batch(cfg, mcfg, rows, seq_len)).compile()
-    m = compiled.memory_analysis()
-    return StepMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
-                      aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes)
+    return step.lower(state, abstract_batch(cfg, mcfg, rows, seq_len)).compile()
 
 
 def residuals_per_sequence(cfg: Config, mcfg: Qwen3MoeConfig, seq_len: int) -> int:

@@ -41,20 +41,20 @@ def tiny():
 @pytest.mark.slow
 def test_step_memory_of_the_tiny_run_on_8_devices(tiny):
     cfg, shape = tiny
-    one = compile_step(cfg, shape, micro_batch=1, seq_len=256)
-    two = compile_step(cfg, shape, micro_batch=2, seq_len=256)
+    one = StepMemory.of(compile_step(cfg, shape, micro_batch=1, seq_len=256))
+    two = StepMemory.of(compile_step(cfg, shape, micro_batch=2, seq_len=256))
     # the donated train state is an argument and aliases its output
     assert one.aliased > 0 and one.arguments >= one.aliased and one.outputs >= one.aliased
     assert one.temporaries < two.temporaries  # a second sequence per device costs memory
     assert two.arguments > one.arguments  # ... and a larger batch argument
     # remat keeps far less per sequence: with "full" a layer saves only its input
     full = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat="full"))
-    one_r = compile_step(full, shape, micro_batch=1, seq_len=256)
-    two_r = compile_step(full, shape, micro_batch=2, seq_len=256)
+    one_r = StepMemory.of(compile_step(full, shape, micro_batch=1, seq_len=256))
+    two_r = StepMemory.of(compile_step(full, shape, micro_batch=2, seq_len=256))
     assert (two_r.temporaries - one_r.temporaries) < 0.5 * (two.temporaries - one.temporaries)
     # a KL to the reference policy: its parameters are one more argument
     kl = dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, kl_coef=1e-3))
-    one_kl = compile_step(kl, shape, micro_batch=1, seq_len=256)
+    one_kl = StepMemory.of(compile_step(kl, shape, micro_batch=1, seq_len=256))
     assert one_kl.arguments > one.arguments
     odd_groups = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
                                                                      group_size=3))

@@ -1,0 +1,370 @@
+"""``satjax plan``: will this run fit the chips it targets, and how fast can its step be?
+
+    satjax plan --config configs/qwen3-30b-a3b.yaml --topology v5p:4x4x4 [--seq-len 32768]
+
+Compiles the run's own programs for a named TPU slice on this host, no TPU needed (the TPU
+compiler, libtpu: ``pip install 'satjax[tpu]'``; ``--platform cpu``: XLA:CPU over as many
+emulated devices instead): the train step (``satjax.train.memory.compile_step``: the
+config's objective, replay, remat, mesh, one ``--seq-len`` sequence per chip per
+micro-step) and the built-in sampler's prefill (the eval forward over ``eval.num_prompts
+x eval.k`` prompts) and decode loop. Nothing is allocated. Printed per chip: XLA's
+arguments, temporaries and peak against the chip's HBM; the step's model FLOPs and a
+roofline step time at ``--mfu``; every collective of the optimised program (kind, count,
+bytes per step, loop iterations included) and its time at the chip's ICI bandwidth. A
+step that does not fit is recompiled with a short list of alternatives (full remat, a
+scanned layer stack, other fsdp x expert splits) until one fits, and that one is named.
+
+Model FLOPs are analytic (``satjax.train.memory.model_flops_per_token``: 6 x active
+parameters + causal attention per token, plus the forwards the step adds: remat's
+recompute, the full-batch log-prob pass when ``grad_accum > 1``, the reference policy's):
+XLA's ``cost_analysis()`` counts a loop body once (the scanned layers, the micro-steps),
+so its figure is printed beside as what it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Per-chip figures of one accelerator generation, as its maker publishes them."""
+
+    name: str
+    hbm_gib: float
+    bf16_tflops: float     # peak dense bf16
+    hbm_gbps: float        # HBM bandwidth, GB/s
+    ici_gbps: float | None  # inter-chip interconnect, GB/s per chip, both directions
+    source: str
+    accelerator_type: str   # a slice of it as Cloud names it (libtpu's TPU_ACCELERATOR_TYPE)
+
+
+# Google Cloud's TPU pages (per-chip "key specifications" tables, read 2026-12)
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("TPU v4", 32, 275, 1200, None, "https://cloud.google.com/tpu/docs/v4", "v4-8"),
+    "v5e": Chip("TPU v5e", 16, 197, 819, 400, "https://cloud.google.com/tpu/docs/v5e",
+                "v5litepod-4"),
+    "v5p": Chip("TPU v5p", 95, 459, 2765, 1200, "https://cloud.google.com/tpu/docs/v5p",
+                "v5p-8"),
+    "v6e": Chip("TPU v6e", 32, 918, 1638, 800, "https://cloud.google.com/tpu/docs/v6e",
+                "v6e-4"),
+}
+DEFAULT_MFU = 0.4  # a well-tuned large MoE step; state your own with --mfu
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="satjax plan", description="Compile a run's train step and sampler for a TPU "
+        "slice (no TPU needed) and print per-chip memory, FLOPs, collectives and a "
+        "roofline step time.")
+    ap.add_argument("--config", help="a satjax YAML config (default: the tiny run)")
+    ap.add_argument("--topology", required=True,
+                    help="TPU slice as JAX names it: v4:2x2x1, v5e:2x2, v5p:4x4x4, v6e:8x8")
+    ap.add_argument("--seq-len", type=int, default=0,
+                    help="tokens per sequence (default: the bucket of the config's longest "
+                         "trajectory)")
+    ap.add_argument("--micro-batch", type=int, default=1,
+                    help="sequences per chip per micro-step (default: %(default)s)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="override a config key (repeatable)")
+    ap.add_argument("--platform", choices=("tpu", "cpu"), default="tpu",
+                    help="tpu: libtpu's compiler for the slice; cpu: XLA:CPU over as many "
+                         "emulated devices (the older estimate)")
+    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                    help="model FLOPs utilisation of the roofline (default: %(default)s)")
+    ap.add_argument("--no-sampler", action="store_true",
+                    help="compile the train step only")
+    ap.add_argument("--no-alternatives", action="store_true",
+                    help="do not look for a variant that fits when the step does not")
+    ap.add_argument("--json", action="store_true",
+                    help="print the train step's figures as one JSON object")
+    args = ap.parse_args(argv)
+    if args.seq_len < 0 or args.micro_batch < 1 or not 0 < args.mfu <= 1:
+        ap.error("--seq-len must be >= 1, --micro-batch >= 1, --mfu in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from satjax.parallel import parse_topology  # jax is imported, no device touched
+
+    try:
+        chips = math.prod(parse_topology(args.topology)[1])
+    except ValueError as e:
+        print(f"satjax plan: {e}", file=sys.stderr)
+        return 2
+    if args.platform == "cpu":  # before jax is imported: the emulated devices
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={chips}")
+    else:  # off a TPU VM libtpu probes the VM's metadata for these, printing 6 warnings
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE",
+                              CHIPS[args.topology.partition(":")[0]].accelerator_type)
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        # libtpu's lockfile keeps a second process off a host's TPU chips; a compile
+        # touches none, so plans may run beside each other (and beside a training run)
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # the compile targets the slice; nothing runs here, so no accelerator is initialised
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from satjax.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:
+        print(f"satjax plan: {e}", file=sys.stderr)
+        return 2
+    if cfg.train.mesh.size != chips:
+        print(f"satjax plan: train.mesh uses {cfg.train.mesh.size} devices, "
+              f"{args.topology} has {chips} chips: --set 'train.mesh={{...}}' to use "
+              f"{chips}", file=sys.stderr)
+        return 2
+    try:
+        return _plan(args, cfg, chips)
+    except ValueError as e:  # a topology libtpu refuses, a batch that holds no group
+        print(f"satjax plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _devices(args: argparse.Namespace, chips: int) -> list[Any]:
+    import jax
+
+    from satjax.parallel import topology_devices
+
+    if args.platform == "cpu":
+        return jax.devices()[:chips]
+    return topology_devices(args.topology)
+
+
+def _for_target(cfg, platform: str, seq_len: int):
+    """The config with "auto" implementations resolved for the target, not this host."""
+    from satjax.model import DTYPES
+    from satjax.model.attention import resolve_attention
+    from satjax.model.moe import resolve_moe_impl
+
+    m = cfg.model
+    model = dataclasses.replace(
+        m, attention=resolve_attention(m.attention, seq_len, platform, dtype=DTYPES[m.dtype]),
+        moe_impl=resolve_moe_impl(m.moe_impl, platform))
+    return dataclasses.replace(cfg, model=model)
+
+
+def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
+    import jax
+
+    from satjax.app.hlo import collectives
+    from satjax.config import max_sequence_tokens, train_buckets
+    from satjax.factory import build_tokenizer, model_config
+    from satjax.train.memory import StepMemory, compile_step
+
+    chip = CHIPS[args.topology.partition(":")[0]]
+    longest = max_sequence_tokens(cfg)
+    seq_len = args.seq_len or min(b for b in train_buckets(cfg) if b >= longest)
+    cfg = _for_target(cfg, args.platform, seq_len)
+    tiny = cfg.model.preset == "tiny" and not cfg.model.path
+    mcfg = model_config(cfg, build_tokenizer(cfg) if tiny else None)
+    devices = _devices(args, chips)
+    compiler = (f"libtpu {_version('libtpu')} for {args.topology}" if args.platform == "tpu"
+                else f"XLA:CPU over {chips} emulated devices")
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    say(f"plan: {mcfg.num_hidden_layers} layers, {mcfg.num_experts} experts top-"
+        f"{mcfg.num_experts_per_tok}; mesh {_mesh(cfg)}, {args.micro_batch} x {seq_len} "
+        f"tokens per chip per micro-step, grad_accum {cfg.train.grad_accum}, remat "
+        f"{cfg.train.remat}, attention {cfg.model.attention}, moe {cfg.model.moe_impl}; "
+        f"compiler {compiler} (jax {jax.__version__})")
+
+    def compile_train(c) -> tuple[StepMemory, Any]:
+        t0 = time.perf_counter()
+        say(f"compiling the train step (mesh {_mesh(c)}, remat {c.train.remat}, "
+            f"scan_layers {c.model.scan_layers}) ...")
+        compiled = compile_step(c, mcfg, micro_batch=args.micro_batch, seq_len=seq_len,
+                                devices=devices)
+        mem = StepMemory.of(compiled)
+        say(f"  compiled in {time.perf_counter() - t0:.0f} s: {mem.summary()}")
+        return mem, compiled
+
+    mem, compiled = compile_train(cfg)
+    coll = collectives(compiled.as_text(), chips)
+    cost = compiled.cost_analysis() or {}
+    tokens = args.micro_batch * seq_len * cfg.train.grad_accum  # per chip per step
+    flops = tokens * step_flops_per_token(cfg, mcfg, seq_len)
+    compute_s = flops / (chip.bf16_tflops * 1e12 * args.mfu)
+    comm_s = coll.traffic / (chip.ici_gbps * 1e9) if chip.ici_gbps else None
+    step_s = max(compute_s, comm_s or 0.0)
+    hbm = chip.hbm_gib * GIB
+    fits = mem.peak <= hbm
+    report: dict[str, Any] = {
+        "topology": args.topology, "chips": chips, "compiler": compiler,
+        "seq_len": seq_len, "micro_batch": args.micro_batch,
+        "arguments_gib": mem.arguments / GIB, "temporaries_gib": mem.temporaries / GIB,
+        "peak_gib": mem.peak / GIB, "hbm_gib": chip.hbm_gib, "fits": fits,
+        "headroom_gib": (hbm - mem.peak) / GIB,
+        "step_flops": flops, "xla_flops_loop_bodies_once": float(cost.get("flops", 0.0)),
+        "xla_bytes_accessed_loop_bodies_once": float(cost.get("bytes accessed", 0.0)),
+        "collective_bytes": coll.bytes, "collective_traffic_bytes": coll.traffic,
+        "collectives": {c.kind: {"count": c.count, "bytes": c.bytes, "traffic": c.traffic}
+                        for c in coll.by_kind},
+        "loops_of_unknown_trip_count": coll.unknown_loops,
+        "compute_s": compute_s, "collective_s": comm_s, "step_s_roofline": step_s,
+        "mfu": args.mfu, "tokens_per_s_per_chip": tokens / step_s,
+        "chip_source": chip.source,
+    }
+    say(f"train step, per chip ({chip.name}, {chip.hbm_gib:g} GiB HBM):")
+    say(f"  arguments {mem.arguments / GIB:.2f} GiB, outputs {mem.outputs / GIB:.2f} GiB "
+        f"(donated {mem.aliased / GIB:.2f}), temporaries {mem.temporaries / GIB:.2f} GiB")
+    say(f"  peak {mem.peak / GIB:.2f} GiB of {chip.hbm_gib:g}: "
+        + (f"fits, {(hbm - mem.peak) / GIB:.2f} GiB headroom" if fits
+           else f"DOES NOT FIT by {(mem.peak - hbm) / GIB:.2f} GiB"))
+    say(f"  model FLOPs per step {flops:.4g} ({tokens} tokens; XLA's cost analysis, loop "
+        f"bodies once: {report['xla_flops_loop_bodies_once']:.4g})")
+    say("  collectives per step (loop iterations included):")
+    for c in coll.by_kind:
+        at = f", {c.traffic / (chip.ici_gbps * 1e9) * 1e3:.1f} ms at ICI" if chip.ici_gbps else ""
+        say(f"    {c.kind:<20} x{c.count:<6} {_size(c.bytes):>10} buffers, "
+            f"{_size(c.traffic):>10} sent{at}")
+    if coll.unknown_loops:
+        say(f"    ({coll.unknown_loops} loops with a data-dependent trip count counted once)")
+    comm = f"{comm_s:.2f} s" if comm_s is not None else "n/a (no published ICI figure)"
+    say(f"  roofline: compute {compute_s:.2f} s at {args.mfu:.0%} of {chip.bf16_tflops:g} "
+        f"TFLOP/s, collectives {comm}; step {step_s:.2f} s, "
+        f"{tokens / step_s:.0f} tokens/s per chip")
+    if not fits and not args.no_alternatives:
+        alt = _first_that_fits(cfg, mcfg, compile_train, hbm, say)
+        report["fits_with"] = alt
+    if not args.no_sampler:
+        report["sampler"] = _sampler(cfg, mcfg, devices, hbm, say)
+    say(f"chip figures: {chip.source}")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 0
+
+
+def step_flops_per_token(cfg, mcfg, seq_len: int) -> float:
+    """Model FLOPs per trained token of one train step: forward + backward (6 x active
+    parameters + causal attention), plus a forward (a third of that) for each of remat's
+    recompute ("full"; "dots" recomputes less, counted the same), the full-batch log-prob
+    pass of ``grad_accum > 1`` and the reference policy's forward (``kl_coef > 0``)."""
+    from satjax.train.memory import active_params, attention_flops_per_token
+
+    train = 6 * active_params(mcfg) + attention_flops_per_token(mcfg, seq_len)
+    forwards = ((cfg.train.remat != "none") + (cfg.train.grad_accum > 1)
+                + (cfg.objective.kl_coef > 0))
+    return train * (1 + forwards / 3)
+
+
+def _mesh(cfg) -> str:
+    from satjax.config import MESH_AXES
+
+    return "{" + ", ".join(f"{a}: {n}" for a, n in zip(MESH_AXES, cfg.train.mesh.shape,
+                                                       strict=True) if n > 1) + "}"
+
+
+def _alternatives(cfg, mcfg) -> list[tuple[str, Any]]:
+    """What to try when the step does not fit, cheapest change first: full remat, a
+    scanned layer stack, then fsdp x expert splits of the same chips with more fsdp."""
+    out = []
+    if cfg.train.remat != "full":
+        out.append(("train.remat=full", dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, remat="full"))))
+        cfg = out[-1][1]
+    if not cfg.model.scan_layers:
+        out.append(("model.scan_layers=true", dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, scan_layers=True))))
+        cfg = out[-1][1]
+    m = cfg.train.mesh
+    n = m.size // m.tensor
+    for expert in sorted((e for e in range(1, n + 1) if n % e == 0
+                          and mcfg.num_experts % e == 0), reverse=True):
+        fsdp = n // expert
+        if (fsdp, expert) == (m.fsdp * m.data, m.expert):
+            continue
+        mesh = dataclasses.replace(m, data=1, fsdp=fsdp, expert=expert)
+        out.append((f"train.mesh={{fsdp: {fsdp}, expert: {expert}, tensor: {m.tensor}}}",
+                    dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh=mesh))))
+    return out
+
+
+def _first_that_fits(cfg, mcfg, compile_train, hbm: float, say) -> list[str] | None:
+    tried: list[str] = []
+    for change, alt in _alternatives(cfg, mcfg):
+        tried.append(change)
+        try:
+            mem, _ = compile_train(alt)
+        except ValueError as e:  # e.g. a split whose batch holds no whole group
+            say(f"  {change}: {e}")
+            continue
+        if mem.peak <= hbm:
+            say("fits with: " + " ".join(f"--set '{c}'" for c in tried))
+            return tried
+    say("no alternative tried fits: " + ", ".join(tried))
+    return None
+
+
+def _sampler(cfg, mcfg, devices, hbm: float, say) -> dict[str, Any]:
+    """The built-in sampler on the trainer's mesh, as eval runs it: ``eval.num_prompts x
+    eval.k`` rows (rounded up to the data-parallel size) of ``task.max_prompt_tokens``,
+    ``rollout.max_new_tokens`` generated, in ``rollout.sample_dtype``."""
+    import jax
+    from flax import nnx
+
+    from satjax import parallel
+    from satjax.factory import model_options
+    from satjax.model import DTYPES, Qwen3MoeForCausalLM
+    from satjax.model.sampling import compile_sampler
+    from satjax.train.memory import StepMemory
+
+    mesh = parallel.make_mesh(cfg.train.mesh, devices)
+    dp = parallel.data_parallel_size(mesh)
+    rows = -(-cfg.eval.num_prompts * cfg.eval.k // dp) * dp
+    prompt = -(-cfg.task.max_prompt_tokens // 16) * 16
+    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(mcfg, rngs=nnx.Rngs(0),
+                                                       **model_options(cfg)))
+    graphdef, state = nnx.split(model)
+    shardings = parallel.state_shardings(state, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         state, shardings)
+    model = nnx.merge(graphdef, state)
+    batch = jax.sharding.NamedSharding(mesh, parallel.logical_to_spec(
+        ("batch", None), (rows, prompt), mesh))
+    t0 = time.perf_counter()
+    say(f"compiling the sampler: {rows} rows x {prompt} prompt tokens + "
+        f"{cfg.rollout.max_new_tokens} generated ...")
+    with jax.set_mesh(mesh):
+        prefill, decode = compile_sampler(
+            model, rows, prompt, max_new_tokens=cfg.rollout.max_new_tokens,
+            dtype=DTYPES[cfg.rollout.sample_dtype],
+            record_logits=cfg.rollout.record_router_logits, batch_sharding=batch)
+    out = {}
+    for name, compiled in (("eval_forward", prefill), ("decode", decode)):
+        mem = StepMemory.of(compiled)
+        out[name] = {"peak_gib": mem.peak / GIB, "temporaries_gib": mem.temporaries / GIB,
+                     "fits": mem.peak <= hbm}
+        say(f"  {name.replace('_', ' ')}: peak {mem.peak / GIB:.2f} GiB per chip "
+            f"(temporaries {mem.temporaries / GIB:.2f}): "
+            + ("fits" if mem.peak <= hbm else "DOES NOT FIT"))
+    say(f"  compiled in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
