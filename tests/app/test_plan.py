@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from satjax.app import plan
 from satjax.app.hlo import collectives
 from satjax.config import load_config
-from satjax.parallel import make_mesh, parse_topology, topology_devices
+from satjax.parallel import parse_topology, topology_devices
 
 # libtpu off a TPU VM, as plan sets it up: a slice type named so that it does not probe
 # for one, and no lock on the (absent) chips, so the plan subprocesses load it too
