@@ -61,7 +61,14 @@ from satjax.queue.store import (
     lock_data_dir,
     segment_paths,
 )
-from satjax.queue.validation import ROUTER_FIELDS, Limits, Problem, router_record, validate
+from satjax.queue.validation import (
+    ROUTER_FIELDS,
+    Limits,
+    Problem,
+    newest_version,
+    router_record,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +210,19 @@ def _fits(msg: TrajectoryView, total: int, nbytes: int, max_bytes: int) -> Probl
                                    f"message of {max_bytes} bytes (the server's max "
                                    f"message size), got {total + nbytes!r} bytes with "
                                    f"this member")
+    return None
+
+
+def _from_the_future(msg: TrajectoryView, trainer_v: int, newest: int) -> Problem | None:
+    """A version of ``msg`` beyond ``newest``, the trainer being at ``trainer_v``: its
+    policy_version, else a later token's (a record may start at a past version and claim
+    future ones for its later tokens)."""
+    for field, version in (("policy_version", msg.policy_version),
+                           ("token_versions", newest_version(msg))):
+        if version > newest:
+            return Problem(field, f"{field}: must be <= {newest} (the trainer last asked for "
+                                  f"version {trainer_v}; newer is from the future), "
+                                  f"got {version!r}")
     return None
 
 
@@ -631,10 +651,8 @@ class TrajectoryQueue:
                     result.accepted.append(tid)
                     durable_seq = max(durable_seq, self._ids.get(tid, 0))
                     continue
-                if bad is None and trainer_v >= 0 and msg.policy_version > newest:
-                    bad = Problem("policy_version", f"policy_version: must be <= {newest} "
-                                  f"(the trainer last asked for version {trainer_v}; newer is "
-                                  f"from the future), got {msg.policy_version!r}")
+                if bad is None and trainer_v >= 0:
+                    bad = _from_the_future(msg, trainer_v, newest)
                 if bad is None:
                     bad = self._groups.check(msg, staged, reply_bytes(len(raw)),
                                              self.settings.max_reply_bytes)

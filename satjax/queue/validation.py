@@ -269,9 +269,19 @@ def _check_gates(g, routes_shape: list[int], rows: int) -> Problem | None:
     return None
 
 
-def _check_versions(msg: TrajectoryLike, n: int) -> Problem | None:
+def newest_version(msg: TrajectoryLike) -> int:
+    """The newest policy version that sampled a token of ``msg`` (a valid one): its last
+    token version, or ``policy_version`` when it has none."""
+    if not len(msg.token_versions):
+        return msg.policy_version
+    return int(np.frombuffer(msg.token_versions[-VERSION_DTYPE.itemsize:], VERSION_DTYPE)[0])
+
+
+def _check_versions(msg: TrajectoryLike, n: int, limits: Limits) -> Problem | None:
     """token_versions (when present): int32 [N], non-decreasing (a worker only moves
-    forward), the oldest equal to policy_version (the queue's lag rule reads that)."""
+    forward), the oldest equal to policy_version (the queue's lag rule reads that), none
+    beyond ``max_version`` (the trainer reads every one: a forged 2^30 used to drive its
+    token lag to -2e8)."""
     if not len(msg.token_versions):
         return None
     versions, bad = _packed(msg.token_versions, VERSION_DTYPE, "token_versions")
@@ -287,6 +297,9 @@ def _check_versions(msg: TrajectoryLike, n: int) -> Problem | None:
     if int(versions[0]) != msg.policy_version:
         return Problem("token_versions", f"token_versions: the oldest must be policy_version "
                                          f"{msg.policy_version}, got {int(versions[0])!r}")
+    if int(versions[-1]) > limits.max_version:
+        return Problem("token_versions", f"token_versions: must be in [0, "
+                                         f"{limits.max_version}], got {int(versions[-1])!r}")
     return None
 
 
@@ -298,4 +311,4 @@ def validate(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     p, n, bad = _check_tokens(msg, limits)
     if bad:
         return bad
-    return _check_versions(msg, n) or _check_routing(msg, p + n - 1, limits)
+    return _check_versions(msg, n, limits) or _check_routing(msg, p + n - 1, limits)
