@@ -468,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reject a newer policy_version (default: the int64 range)")
     p.add_argument("--require-record", action="append", default=[], choices=ROUTER_FIELDS,
                    help="reject trajectories without this router field (repeatable)")
+    p.add_argument("--refuse-record", action="append", default=[], choices=ROUTER_FIELDS,
+                   help="reject trajectories with this router field (repeatable)")
     p.add_argument("--max-seq-len", "--max-tokens", dest="max_seq_len", type=int,
                    default=limits.max_seq_len,
                    help="longest trajectory, prompt + response (default: %(default)s)")
@@ -516,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(max_seq_len=args.max_seq_len, vocab_size=args.vocab_size,
                         num_experts=args.num_experts, moe_layers=args.moe_layers,
                         top_k=args.top_k, group_size=args.group_size,
-                        max_version=args.max_version, required=tuple(args.require_record))
+                        max_version=args.max_version, required=tuple(args.require_record),
+                        refused=tuple(args.refuse_record))
         settings = QueueSettings(
             fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
             max_lag_default=args.max_lag_default, future_slack=args.future_slack,

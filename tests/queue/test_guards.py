@@ -18,7 +18,7 @@ from satjax.utils import free_port
 
 LIMITS = ("--vocab-size", "1000", "--num-experts", "8", "--moe-layers", "2", "--top-k", "2",
           "--max-seq-len", "30", "--group-size", "2", "--max-version", "1000",
-          "--require-record", "routed_experts")
+          "--require-record", "routed_experts", "--refuse-record", "router_logits")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -63,6 +63,7 @@ def _poisons(make_traj):
         "token version over --max-version": (with_versions(traj("tv"), [0, 0, 4, 1001, 2**30]),
                                              "token_versions"),
         "no routes (--require-record)": (traj("bare", routes=False), "routed_experts"),
+        "logits (--refuse-record)": (traj("logits", logits=True), "router_logits"),
     }
 
 

@@ -68,6 +68,16 @@ def test_limits_bound_the_version_and_require_router_fields(good):
         Limits(required=("routes",))
 
 
+def test_limits_refuse_router_fields_the_run_does_not_record(good):
+    msg = good()
+    bad = validate(msg, Limits(refused=("router_logits",)))
+    assert bad is not None and bad.field == "router_logits" and "must be absent" in bad.message
+    msg.ClearField("router_logits")
+    assert validate(msg, Limits(refused=("router_logits",))) is None
+    with pytest.raises(ValueError, match="refused: must not name a required field"):
+        Limits(required=("router_logits",), refused=("router_logits",))
+
+
 def test_every_token_version_is_bounded_by_max_version(good):
     """Forged token versions (3, 3, 4, 1000, 2^30 under policy_version 3) used to pass, and
     the trainer logged lag_token_mean -2.15e8: each token's version is bounded, not only
