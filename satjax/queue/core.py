@@ -744,7 +744,7 @@ class TrajectoryQueue:
             self._claim(consumer_id, take_over)
             self._polls += 1
             poll = self._polls
-            self._cond.notify_all()  # an older waiting call of the consumer ends (above)
+            self._cond.notify_all()  # an older waiting call of the consumer ends (docstring)
             if redeliver_unacked:
                 self._deliveries.requeue_all()
             # the trainer's version / lag / batch size drive ShouldPause and survive restarts
@@ -770,8 +770,8 @@ class TrajectoryQueue:
                     if self._holder != consumer_id:
                         raise ConsumerLeaseError(f"consumer_id: {consumer_id!r} was replaced "
                                                  f"by {self._holder!r} while waiting")
-                    if self._polls != poll:
-                        break  # superseded: ``alive`` is not consulted again below
+                    if self._polls != poll or not alive():
+                        break  # superseded, or the caller is gone: delivers nothing
             finally:
                 self._waiting -= 1
             # deliver: read the payloads, mark them delivered under a new cursor

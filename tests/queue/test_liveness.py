@@ -97,14 +97,26 @@ def test_put_streams_that_send_nothing_do_not_stall_puts_or_stats(harness, bad_c
 def test_get_batch_calls_whose_callers_gave_up_do_not_keep_server_threads(
         harness, bad_clients, make_group):
     """20 GetBatch calls with timeout_s 3600 whose callers gave up after 1.5 s: the server
-    ends them then, and a worker's next put answers at once (it used to time out)."""
-    h, client = harness()
+    ends them then, and a worker's next put answers at once (it used to time out). With
+    16 threads, as the server used to have: the calls must have ended, not merely found
+    threads to spare."""
+    h, client = harness(max_workers=16)
     bad = bad_clients(h.port)
     bad.abandoned_gets(20, client.consumer_id)
     time.sleep(2.0)  # every caller has given up
     t0 = time.monotonic()
     assert client.put(make_group("g", 2), timeout=5).accepted == ["g-0", "g-1"]
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_waiting_get_batch_ends_within_a_slice_of_its_caller_giving_up(harness, bad_clients):
+    """The one call a consumer may have waiting ends too once its caller is gone: on a
+    server of one thread, a Stats gets that thread 0.6 s after the caller gave up."""
+    h, client = harness(max_workers=1)
+    bad = bad_clients(h.port)
+    bad.abandoned_gets(1, client.consumer_id, give_up_s=1.0)
+    time.sleep(1.6)
+    assert client.stats()["delivered_unacked"] == 0
 
 
 def test_a_get_batch_whose_caller_is_gone_takes_nothing(harness, bad_clients, make_group):
