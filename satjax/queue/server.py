@@ -142,6 +142,7 @@ class IdleStreams:
             now = time.monotonic()
             with self._lock:
                 idle = [s for s in self._streams if now - s.last > self.idle_s]
+                self._streams.difference_update(idle)  # cancelled once, logged once
             for s in idle:
                 log.warning("cancelling a Put stream from %s: no message for %.0f s",
                             s.context.peer(), now - s.last)

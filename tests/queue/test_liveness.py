@@ -16,6 +16,8 @@ from queue_testlib import TOKEN
 from satjax.queue._proto import SERVICE, pb2
 from satjax.queue.client import QueueClient, QueueError
 from satjax.queue.codec import encode
+from satjax.queue.core import TrajectoryQueue
+from satjax.queue.server import IdleStreams, QueueService
 
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 
@@ -132,6 +134,27 @@ def test_a_get_batch_whose_caller_is_gone_takes_nothing(harness, bad_clients, ma
     assert client.stats()["delivered_unacked"] == 0
     assert len(client.get_batch(8, 0, timeout=5).trajectories) == 8
     assert client.stats()["delivered_unacked"] == 8
+
+
+def test_a_batch_read_for_a_caller_that_left_meanwhile_is_pending_again(tmp_path, make_group):
+    """The caller may leave after the last check before delivery, while its batch is read:
+    the server finds it gone before replying and makes the batch pending again."""
+    queue = TrajectoryQueue(tmp_path / "q")
+    streams = IdleStreams(30.0)
+    try:
+        queue.put([queue.parse(encode(t)) for t in make_group("g", 2)])
+        answers = iter([True, False])  # alive at delivery, gone when the reply is due
+
+        class Context:
+            def is_active(self) -> bool:
+                return next(answers)
+
+        request = pb2.GetBatchRequest(n=2, trainer_version=0, consumer_id="c")
+        assert QueueService(queue, streams).get_batch(request, Context()).cursor
+        assert queue.stats()["delivered_unacked"] == 0 and queue.stats()["pending"] == 2
+    finally:
+        streams.close()
+        queue.close()
 
 
 def test_a_waiting_get_batch_gives_way_to_a_newer_call_of_its_consumer(harness, make_group):
