@@ -13,6 +13,8 @@ import numpy as np
 # The largest policy version: versions are int32 wherever they are arrays (token_versions,
 # a batch's policy_versions) and in the trainer's state.
 MAX_VERSION = int(np.iinfo(np.int32).max)
+# The optional router record's fields: a batch has each on all of its rows or on none.
+ROUTER_FIELDS = ("routed_experts", "routed_gates", "router_logits")
 
 
 @dataclasses.dataclass

@@ -23,6 +23,12 @@ groups or ``max_fetches`` GetBatch answers have come; then it trains on what it 
 step pads it to the full size with masked rows, so its shape does not change). The dropped
 groups are acknowledged with the batch, like the groups trained on.
 
+A batch that cannot be assembled (``prepare`` raises
+:class:`~satjax.train.batch.UnbatchableError`, e.g. rows with and without router logits) is
+skipped: one log line, another batch fetched in its place, and its cursor handed to the loop
+(``Delivery.skipped``) to be acknowledged with the batch trained on. Stopping on it instead
+would stop again at every ``--resume``, the queue delivering it again each time.
+
 A fetched batch is only *delivered* by the queue until the trainer acknowledges it after a
 durable checkpoint, so a batch fetched but never trained on (the run stopped, crashed, or
 was interrupted) is delivered again to the next trainer (``redeliver_unacked`` on its first
@@ -42,6 +48,7 @@ from typing import Any
 
 from satjax.app.multihost import Peers, Poll
 from satjax.queue.client import QueueClient, QueueTooLargeError, TrajectoryBatch
+from satjax.train.batch import UnbatchableError
 from satjax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,9 @@ class Delivery:
     reply: TrajectoryBatch | None
     dropped_uniform_groups: int = 0  # groups dropped for equal rewards (primary only)
     fetches: int = 0  # GetBatch answers with trajectories this batch took (primary only)
+    # batches skipped before this one (could not be assembled): their cursors on the
+    # primary, to acknowledge with this batch's; 0 on other processes
+    skipped: tuple[int, ...] = ()
 
 
 class _Fetch:
@@ -79,6 +89,7 @@ class _Fetch:
         self.fetches = 0
         self.batch: Any = None  # prepared in the thread (single-process runs)
         self.error: BaseException | None = None
+        self.skipped: list[int] = []  # cursors of batches fetched but not assembled
 
 
 class BatchSource:
@@ -126,6 +137,7 @@ class BatchSource:
         # a batch placed by the fetch thread needs no collective: single-process runs only
         self._prepare_in_thread = peers.count == 1
         self._first_call = True  # the first GetBatch re-reads what no trainer acknowledged
+        self._skipped: list[int] = []  # skipped on the main thread, for the next Delivery
         self._fetch: _Fetch | None = None  # the fetch requested and not yet taken by next()
         self._cancel = threading.Event()
         # One thread for all fetches, started by the first: a thread per batch would leave
@@ -155,8 +167,14 @@ class BatchSource:
         while (fetch := self._requests.get()) is not None:
             try:
                 self._get(fetch)
-                if fetch.reply is not None and self._prepare_in_thread:
-                    fetch.batch = self.prepare(fetch.reply.trajectories)
+                while fetch.reply is not None and self._prepare_in_thread:
+                    try:
+                        fetch.batch = self.prepare(fetch.reply.trajectories)
+                        break
+                    except UnbatchableError as e:
+                        fetch.skipped.append(_skip(fetch.version, fetch.reply.cursor, e))
+                        fetch.reply = None  # stays None if close() cancels the next one
+                        self._get(fetch)
             except BaseException as e:  # raised on the main thread by next()
                 fetch.error = e
             finally:
@@ -264,12 +282,19 @@ class BatchSource:
                              "trained on; the queue delivers it again", version, reply.cursor)
                 return None
             if poll == Poll.BATCH:
-                batch = fetch.batch if fetch is not None and fetch.batch is not None \
-                    else self.prepare(trajectories)
+                try:
+                    batch = fetch.batch if fetch is not None and fetch.batch is not None \
+                        else self.prepare(trajectories)
+                except UnbatchableError as e:  # the same on every process: all skip it
+                    self._skipped.append(_skip(version, reply.cursor if reply else 0, e))
+                    continue
+                skipped = (*self._skipped, *(fetch.skipped if fetch is not None else ()))
+                self._skipped = []
                 return Delivery(trajectories, batch, reply,
                                 dropped_uniform_groups=fetch.dropped_uniform_groups
                                 if fetch is not None else 0,
-                                fetches=fetch.fetches if fetch is not None else 0)
+                                fetches=fetch.fetches if fetch is not None else 0,
+                                skipped=skipped)
 
     def close(self) -> None:
         """Stops the fetch in flight, if any (within one GetBatch call); a batch it got is
@@ -282,6 +307,14 @@ class BatchSource:
         if fetch is not None and fetch.reply is not None:
             log.info("a batch fetched for version %d (cursor %d) was not trained on; the "
                      "queue delivers it again", fetch.version, fetch.reply.cursor)
+
+
+def _skip(version: int, cursor: int, error: UnbatchableError) -> int:
+    """Reports a batch that cannot be assembled (one line); returns its cursor."""
+    log.error("skipping the batch fetched for version %d (cursor %d): it cannot be "
+              "assembled (%s); it is acknowledged with the next batch trained on",
+              version, cursor, error)
+    return cursor
 
 
 def split_uniform_groups(trajectories: list[Trajectory]

@@ -49,7 +49,7 @@ from satjax.run_dir import RunDirs, RunLock
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft, warmup_enabled
 from satjax.train.trainer import Trainer
-from satjax.trajectory import MAX_VERSION
+from satjax.trajectory import MAX_VERSION, ROUTER_FIELDS
 from satjax.utils import atomic_write, free_port
 
 log = logging.getLogger(__name__)
@@ -218,9 +218,11 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     """``serve-queue`` flags that make the queue refuse what this model cannot train on:
     token ids, expert ids, route shapes, lengths beyond the largest bucket, wrong groups,
     versions beyond the trainer's int32 ones, and trajectories without the router record
-    the run's workers make (a batch mixing rows with and without it cannot be trained on):
-    refused at put, such a group would stop the trainer on every delivery."""
+    the run's workers make, or with router fields they do not make (a batch mixing rows
+    with and without a field cannot be trained on): refused at put, such a group would
+    stop the trainer on every delivery."""
     required = router_record(cfg) if model_config.moe_layer_indices else ()
+    refused = [field for field in ROUTER_FIELDS if field not in required]
     return ["--vocab-size", str(model_config.vocab_size),
             "--num-experts", str(model_config.num_experts),
             "--moe-layers", str(len(model_config.moe_layer_indices)),
@@ -228,7 +230,8 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
             "--max-seq-len", str(max(train_buckets(cfg))),
             "--group-size", str(cfg.rollout.group_size),
             "--max-version", str(MAX_VERSION),
-            *(arg for field in required for arg in ("--require-record", field))]
+            *(arg for field in required for arg in ("--require-record", field)),
+            *(arg for field in refused for arg in ("--refuse-record", field))]
 
 
 class PendingAcks:
@@ -537,10 +540,14 @@ class TrainLoop:
             self.last = metrics
             if self.mlog is not None:
                 assert delivered.reply is not None
-                self.unacked.add(delivered.reply.cursor)
+                # batches skipped for this one (they could not be assembled) are
+                # acknowledged with it: a --resume does not meet them again
+                for cursor in (*delivered.skipped, delivered.reply.cursor):
+                    self.unacked.add(cursor)
                 trainer.queue_cursor = max(self.unacked.cursors)
                 now = time.time()
                 metrics["queue/dropped_stale"] = float(delivered.reply.dropped_stale)
+                metrics["queue/skipped_batches"] = float(len(delivered.skipped))
                 if cfg.train.drop_uniform_groups:
                     metrics["dropped_uniform_groups"] = float(delivered.dropped_uniform_groups)
                     metrics["queue/fetches"] = float(delivered.fetches)

@@ -1,10 +1,11 @@
 """Client of the trajectory queue (producers: ``put``/``should_pause``; trainer: the rest).
 
-Calls that fail with UNAVAILABLE, or with a full disk on the server, are retried with
-bounded exponential backoff; ``put`` is safe to retry because the server de-duplicates on
-``trajectory_id``. Other failures raise a :class:`QueueError` subclass naming what went
-wrong. Each client is one consumer (``consumer_id``, a fresh id unless given): the server
-serves one consumer at a time (see ``get_batch``'s ``take_over``).
+Calls that fail with UNAVAILABLE, with a full disk on the server, or because the server
+has all the calls it takes at once, are retried with bounded exponential backoff; ``put``
+is safe to retry because the server de-duplicates on ``trajectory_id``. Other failures
+raise a :class:`QueueError` subclass naming what went wrong. Each client is one consumer
+(``consumer_id``, a fresh id unless given): the server serves one consumer at a time (see
+``get_batch``'s ``take_over``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from satjax.queue.codec import (
 )
 from satjax.queue.protocol import (
     ERROR_KIND_KEY,
+    SERVER_BUSY_DETAILS,
     STORAGE_ERROR,
     PauseDecision,
     PutResult,
@@ -117,6 +119,11 @@ def _is_storage_error(e: grpc.RpcError) -> bool:
     return (ERROR_KIND_KEY, STORAGE_ERROR) in tuple(trailing or ())
 
 
+def _is_server_busy(e: grpc.RpcError) -> bool:
+    return (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and e.details() == SERVER_BUSY_DETAILS)
+
+
 class QueueClient:
     """``QueueClient("127.0.0.1:50051", token=...)``; ``tls_ca`` (PEM path) enables TLS."""
 
@@ -163,7 +170,8 @@ class QueueClient:
             except grpc.RpcError as e:
                 code = e.code()
                 storage = _is_storage_error(e)
-                if (code == grpc.StatusCode.UNAVAILABLE or storage) and attempt < self.retries:
+                retry = code == grpc.StatusCode.UNAVAILABLE or storage or _is_server_busy(e)
+                if retry and attempt < self.retries:
                     time.sleep(delay)
                     delay = min(delay * 2, self.max_backoff_s)
                     continue

@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import NamedTuple
 
@@ -61,12 +61,22 @@ from satjax.queue.store import (
     lock_data_dir,
     segment_paths,
 )
-from satjax.queue.validation import ROUTER_FIELDS, Limits, Problem, router_record, validate
+from satjax.queue.validation import (
+    ROUTER_FIELDS,
+    Limits,
+    Problem,
+    newest_version,
+    router_record,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
 # Groups dropped as stale are remembered (their late members are dropped too) up to this many.
 DROPPED_GROUPS_MEMORY = 100_000
+# A waiting GetBatch checks this often whether its caller is still there: an abandoned call
+# frees its server thread within this, instead of holding it for its whole timeout_s.
+WAIT_SLICE_S = 0.25
 
 
 def reply_bytes(record_length: int) -> int:
@@ -200,6 +210,19 @@ def _fits(msg: TrajectoryView, total: int, nbytes: int, max_bytes: int) -> Probl
                                    f"message of {max_bytes} bytes (the server's max "
                                    f"message size), got {total + nbytes!r} bytes with "
                                    f"this member")
+    return None
+
+
+def _from_the_future(msg: TrajectoryView, trainer_v: int, newest: int) -> Problem | None:
+    """A version of ``msg`` beyond ``newest``, the trainer being at ``trainer_v``: its
+    policy_version, else a later token's (a record may start at a past version and claim
+    future ones for its later tokens)."""
+    for field, version in (("policy_version", msg.policy_version),
+                           ("token_versions", newest_version(msg))):
+        if version > newest:
+            return Problem(field, f"{field}: must be <= {newest} (the trainer last asked for "
+                                  f"version {trainer_v}; newer is from the future), "
+                                  f"got {version!r}")
     return None
 
 
@@ -368,6 +391,13 @@ class Deliveries:
                 e.state = State.PENDING
         self._batches.clear()
 
+    def requeue(self, cursor: int) -> list[Entry]:
+        """Makes the batch of ``cursor`` pending again; its entries (none if acknowledged)."""
+        entries = self._batches.pop(cursor, [])
+        for e in entries:
+            e.state = State.PENDING
+        return entries
+
     def unacked(self) -> int:
         return sum(len(v) for v in self._batches.values())
 
@@ -451,6 +481,7 @@ class TrajectoryQueue:
         self._groups = GroupIndex()
         self._cache = PayloadCache(settings.cache_bytes)
         self._waiting = 0
+        self._polls = 0  # GetBatch calls so far: a waiting call ends when a newer one comes
         self._closed = False
         self._holder: str | None = None  # consumer_id holding the lease
         self._holder_seen = 0.0
@@ -620,10 +651,8 @@ class TrajectoryQueue:
                     result.accepted.append(tid)
                     durable_seq = max(durable_seq, self._ids.get(tid, 0))
                     continue
-                if bad is None and trainer_v >= 0 and msg.policy_version > newest:
-                    bad = Problem("policy_version", f"policy_version: must be <= {newest} "
-                                  f"(the trainer last asked for version {trainer_v}; newer is "
-                                  f"from the future), got {msg.policy_version!r}")
+                if bad is None and trainer_v >= 0:
+                    bad = _from_the_future(msg, trainer_v, newest)
                 if bad is None:
                     bad = self._groups.check(msg, staged, reply_bytes(len(raw)),
                                              self.settings.max_reply_bytes)
@@ -685,11 +714,18 @@ class TrajectoryQueue:
     def get_batch(self, n: int, trainer_version: int, max_lag: int | None = None,
                   timeout_s: float = 0.0, *, allow_partial: bool = False,
                   redeliver_unacked: bool = False, consumer_id: str = "",
-                  take_over: bool = False, batch_rows: int | None = None) -> BatchResult:
+                  take_over: bool = False, batch_rows: int | None = None,
+                  alive: Callable[[], bool] = lambda: True) -> BatchResult:
         """Up to ``n`` trajectories in complete, fresh groups (see module docstring).
 
         ``batch_rows``: the trainer's whole batch when it fetches it in several calls of
-        ``n`` (ShouldPause predicts lags in batches of it); None: ``n``."""
+        ``n`` (ShouldPause predicts lags in batches of it); None: ``n``.
+        ``alive``: whether the caller still listens (the server's ``context.is_active``);
+        checked every :data:`WAIT_SLICE_S` of the wait and before handing anything out: a
+        call whose caller is gone returns empty, delivering nothing, and frees its thread.
+        A consumer waits in one call at a time: its newer call ends an older waiting one
+        the same way (a caller that vanished without closing its connection looks alive).
+        """
         if n <= 0:
             raise QueueRequestError(f"n: must be positive, got {n!r}")
         batch_rows = n if batch_rows is None else batch_rows
@@ -706,6 +742,9 @@ class TrajectoryQueue:
         with self._lock:
             self._check_open()
             self._claim(consumer_id, take_over)
+            self._polls += 1
+            poll = self._polls
+            self._cond.notify_all()  # an older waiting call of the consumer ends (docstring)
             if redeliver_unacked:
                 self._deliveries.requeue_all()
             # the trainer's version / lag / batch size drive ShouldPause and survive restarts
@@ -726,15 +765,17 @@ class TrajectoryQueue:
                     remaining = deadline - time.monotonic()
                     if total == n or remaining <= 0:
                         break
-                    self._cond.wait(remaining)
+                    self._cond.wait(min(remaining, WAIT_SLICE_S))
                     self._check_open()
                     if self._holder != consumer_id:
                         raise ConsumerLeaseError(f"consumer_id: {consumer_id!r} was replaced "
                                                  f"by {self._holder!r} while waiting")
+                    if self._polls != poll or not alive():
+                        break  # superseded, or the caller is gone: delivers nothing
             finally:
                 self._waiting -= 1
             # deliver: read the payloads, mark them delivered under a new cursor
-            if total < n and not allow_partial:
+            if (total < n and not allow_partial) or self._polls != poll or not alive():
                 chosen = []
             entries = [e for g in chosen for e in sorted(g.members, key=lambda e: e.seq)]
             size = sum(reply_bytes(e.loc.length) for e in entries)
@@ -752,6 +793,15 @@ class TrajectoryQueue:
             if dropped:
                 self._gc_or_storage_error()
         return BatchResult(payloads, cursor, dropped)
+
+    def undeliver(self, cursor: int) -> int:
+        """Makes the batch delivered under ``cursor`` pending again (its caller left before
+        the reply was sent); returns how many trajectories."""
+        with self._lock:
+            entries = self._deliveries.requeue(cursor)
+            if entries:
+                self._cond.notify_all()
+            return len(entries)
 
     def ack(self, cursor: int, consumer_id: str = "") -> tuple[int, int]:
         """Consumes every delivered batch with cursor <= ``cursor``; returns (acked, watermark)."""

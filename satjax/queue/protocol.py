@@ -21,6 +21,9 @@ MAX_WAIT_S = 3600.0
 # Trailing metadata that tells a client a RESOURCE_EXHAUSTED is the disk, not the message
 # size: the client retries the former (the server kept nothing) and not the latter.
 ERROR_KIND_KEY, STORAGE_ERROR = "satjax-error", "storage"
+# What grpc's server answers (RESOURCE_EXHAUSTED) to a call beyond its maximum_concurrent_rpcs:
+# the server is busy, nothing was done, and the client retries it like UNAVAILABLE.
+SERVER_BUSY_DETAILS = "Concurrent RPC limit exceeded!"
 
 
 def check_wait(name: str, seconds: float) -> float:

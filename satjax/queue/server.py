@@ -19,7 +19,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -60,7 +61,19 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # stream as it arrived, for the group commit to overlap the transfer, measured slower.
 PUT_CHUNK_ITEMS = 64
 PUT_CHUNK_BYTES = 32 << 20
-MAX_WORKERS = 16
+# grpc's synchronous server gives every call a thread from its start to its reply, also
+# while the client sends nothing, so a handful of silent or slow clients used to hold all
+# 16 and stall every worker. Threads are made as calls need them (a waiting one costs
+# memory, not CPU), so there are many; the server takes no more calls than it has threads
+# (maximum_concurrent_rpcs): one beyond is refused at once, and the client retries it,
+# instead of waiting unseen behind held threads.
+MAX_WORKERS = 256
+# Calls one connection may have open at once (HTTP/2 streams): no one client holds more
+# threads than this; its further calls wait on its own side.
+MAX_STREAMS_PER_CONNECTION = 32
+# A Put stream that sends no message for this long is cancelled: a producer streams
+# records it already holds, so silence that long is a stuck or hostile client.
+STREAM_IDLE_S = 30.0
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
@@ -88,6 +101,56 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class _Stream:
+    """A client stream being read: its call and when its last message came."""
+
+    __slots__ = ("context", "last")
+
+    def __init__(self, context) -> None:
+        self.context, self.last = context, time.monotonic()
+
+
+class IdleStreams:
+    """Cancels client streams that send nothing for ``idle_s`` (their thread is freed:
+    the handler's read raises), checking a few times per ``idle_s`` in one thread."""
+
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self._streams: set[_Stream] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="idle-streams")
+        self._thread.start()
+
+    def read(self, items: Iterable[Parsed], context) -> Iterator[Parsed]:
+        """``items`` as they come, the stream watched while it is read."""
+        stream = _Stream(context)
+        with self._lock:
+            self._streams.add(stream)
+        try:
+            for item in items:
+                stream.last = time.monotonic()
+                yield item
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(self.idle_s / 4, 1.0)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [s for s in self._streams if now - s.last > self.idle_s]
+                self._streams.difference_update(idle)  # cancelled once, logged once
+            for s in idle:
+                log.warning("cancelling a Put stream from %s: no message for %.0f s",
+                            s.context.peer(), now - s.last)
+                s.context.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _serialize_batch(result: BatchResult) -> bytes:
@@ -142,8 +205,8 @@ def _guard(fn: Callable) -> Callable:
 class QueueService:
     """The RPC handlers over one :class:`TrajectoryQueue`."""
 
-    def __init__(self, queue: TrajectoryQueue):
-        self.queue = queue
+    def __init__(self, queue: TrajectoryQueue, streams: IdleStreams):
+        self.queue, self.streams = queue, streams
 
     def _parse_put_batch(self, raw: bytes) -> list[Parsed]:
         """PutBatchRequest's trajectories, sliced out without re-encoding, each parsed."""
@@ -193,7 +256,7 @@ class QueueService:
         return reply
 
     def put(self, request_iterator: Iterable[Parsed], context) -> pb2.PutReply:
-        return self._put_items(request_iterator)
+        return self._put_items(self.streams.read(request_iterator, context))
 
     def put_batch(self, items: list[Parsed], context) -> pb2.PutReply:
         return self._put_items(items)
@@ -201,17 +264,22 @@ class QueueService:
     # context.abort raises; grpc (untyped) cannot tell mypy that it never returns
     def get_batch(self, request: pb2.GetBatchRequest, context) -> BatchResult:  # type: ignore[return]
         try:
-            return self.queue.get_batch(
+            result = self.queue.get_batch(
                 request.n, request.trainer_version,
                 request.max_lag if request.HasField("max_lag") else None,
                 request.timeout_s, allow_partial=request.allow_partial,
                 redeliver_unacked=request.redeliver_unacked, consumer_id=request.consumer_id,
                 take_over=request.take_over,
-                batch_rows=request.batch_rows if request.HasField("batch_rows") else None)
+                batch_rows=request.batch_rows if request.HasField("batch_rows") else None,
+                alive=context.is_active)
         except QueueRequestError as e:
             code = (grpc.StatusCode.RESOURCE_EXHAUSTED if e.too_large
                     else grpc.StatusCode.INVALID_ARGUMENT)
             context.abort(code, str(e))
+        if result.cursor and not context.is_active():
+            # the caller left while the batch was read: nobody will train on or ack it
+            self.queue.undeliver(result.cursor)
+        return result
 
     def ack(self, request: pb2.AckRequest, context) -> pb2.AckReply:
         acked, watermark = self.queue.ack(request.cursor, request.consumer_id)
@@ -251,7 +319,7 @@ class QueueServer:
                  settings: QueueSettings | None = None, tls_cert: str | Path | None = None,
                  tls_key: str | Path | None = None, max_message_mb: float = MAX_MESSAGE_MB,
                  max_workers: int = MAX_WORKERS, insecure: bool = False,
-                 reset_consumer_state: bool = False):
+                 reset_consumer_state: bool = False, stream_idle_s: float = STREAM_IDLE_S):
         if len(token.strip()) < MIN_TOKEN_CHARS:
             raise ValueError(f"token: must be at least {MIN_TOKEN_CHARS} characters (e.g. "
                              f"python -c 'import secrets; print(secrets.token_urlsafe(24))'), "
@@ -259,6 +327,10 @@ class QueueServer:
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert/tls_key: must give both or neither, got only "
                              + ("tls_cert" if tls_cert is not None else "tls_key"))
+        if not stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s: must be positive, got {stream_idle_s!r}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers: must be >= 1, got {max_workers!r}")
         if max_message_mb <= 0:
             raise ValueError(f"max_message_mb: must be positive, got {max_message_mb!r}")
         self.max_message_bytes = int(max_message_mb * (1 << 20))
@@ -271,6 +343,8 @@ class QueueServer:
             self.tls = (_read_pem("tls_cert", tls_cert, b"CERTIFICATE"),
                         _read_pem("tls_key", tls_key, b"PRIVATE KEY"))
         self.max_workers, self.insecure = max_workers, insecure
+        self.stream_idle_s = stream_idle_s
+        self._streams: IdleStreams | None = None
         self.reset_consumer_state = reset_consumer_state
         self.queue: TrajectoryQueue | None = None
         self._server: grpc.Server | None = None
@@ -288,10 +362,13 @@ class QueueServer:
                                      reset_consumer_state=self.reset_consumer_state)
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", self.max_message_bytes),
+                   ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
                    ("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.max_workers),
-                             interceptors=[BearerTokenInterceptor(self.token)], options=options)
-        server.add_generic_rpc_handlers((QueueService(self.queue).handler(),))
+                             interceptors=[BearerTokenInterceptor(self.token)], options=options,
+                             maximum_concurrent_rpcs=self.max_workers)
+        self._streams = IdleStreams(self.stream_idle_s)
+        server.add_generic_rpc_handlers((QueueService(self.queue, self._streams).handler(),))
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = f"{host}:{port}"
@@ -305,6 +382,7 @@ class QueueServer:
         except RuntimeError:  # what grpcio raises now where it used to return 0
             self.port = 0
         if not self.port:
+            self._streams.close()
             self.queue.close()
             raise OSError(f"could not bind {address}: the port is in use (another server?) "
                           "or the host is not an address of this machine; --port 0 picks "
@@ -324,6 +402,9 @@ class QueueServer:
                 self.queue.shutdown()  # a GetBatch waiting for data returns UNAVAILABLE now
             done.wait()
             self._server = None
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
         if self.queue is not None:
             self.queue.close()
             self.queue = None
@@ -388,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reject a newer policy_version (default: the int64 range)")
     p.add_argument("--require-record", action="append", default=[], choices=ROUTER_FIELDS,
                    help="reject trajectories without this router field (repeatable)")
+    p.add_argument("--refuse-record", action="append", default=[], choices=ROUTER_FIELDS,
+                   help="reject trajectories with this router field (repeatable)")
     p.add_argument("--max-seq-len", "--max-tokens", dest="max_seq_len", type=int,
                    default=limits.max_seq_len,
                    help="longest trajectory, prompt + response (default: %(default)s)")
@@ -395,7 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size at which the log starts a new segment file")
     p.add_argument("--cache-mb", type=float, default=d.cache_bytes / (1 << 20),
                    help="recent trajectories kept in memory for GetBatch")
-    p.add_argument("--workers", type=int, default=MAX_WORKERS, help="gRPC server threads")
+    p.add_argument("--workers", type=int, default=MAX_WORKERS,
+                   help="gRPC server threads, and calls served at once (default: %(default)s)")
+    p.add_argument("--stream-idle-s", type=float, default=STREAM_IDLE_S,
+                   help="cancel a Put stream that sends nothing for this long "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), type=str.upper,
                    help="log level (default: %(default)s)")
@@ -432,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         limits = Limits(max_seq_len=args.max_seq_len, vocab_size=args.vocab_size,
                         num_experts=args.num_experts, moe_layers=args.moe_layers,
                         top_k=args.top_k, group_size=args.group_size,
-                        max_version=args.max_version, required=tuple(args.require_record))
+                        max_version=args.max_version, required=tuple(args.require_record),
+                        refused=tuple(args.refuse_record))
         settings = QueueSettings(
             fsync=args.fsync, segment_bytes=int(args.segment_mb * (1 << 20)),
             max_lag_default=args.max_lag_default, future_slack=args.future_slack,
@@ -441,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         server = QueueServer(args.data_dir, token, settings=settings, tls_cert=args.tls_cert,
                              tls_key=args.tls_key, max_message_mb=args.max_message_mb,
                              max_workers=args.workers, insecure=args.insecure,
-                             reset_consumer_state=args.reset_consumer_state)
+                             reset_consumer_state=args.reset_consumer_state,
+                             stream_idle_s=args.stream_idle_s)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

@@ -24,10 +24,9 @@ from satjax.queue.codec import (
     VERSION_DTYPE,
     TrajectoryView,
 )
+from satjax.trajectory import ROUTER_FIELDS  # checked in this order
 
 FINISH_REASONS = ("stop", "length", "abort")
-# the router record's optional fields, in the order they are checked
-ROUTER_FIELDS = ("routed_experts", "routed_gates", "router_logits")
 # the trainer computes in float32: a float64 value beyond this is inf there
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # gate weights are probabilities; float16 rounds a weight of 1 up to at most this
@@ -52,6 +51,9 @@ class Limits:
                                       # trainer's run passes its int32 bound (MAX_VERSION)
     required: tuple[str, ...] = ()    # router fields every trajectory must carry (what the
                                       # run's workers record and its trainer batches)
+    refused: tuple[str, ...] = ()     # router fields no trajectory may carry (what the run
+                                      # does not record: a batch mixing rows with and
+                                      # without one cannot be made)
     logprob_tolerance: float = 1e-4   # log-probs may exceed 0 by this much (fp rounding)
 
     def __post_init__(self):
@@ -60,10 +62,14 @@ class Limits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value!r}")
-        unknown = set(self.required) - set(ROUTER_FIELDS)
-        if unknown:
-            raise ValueError(f"required: must name fields of {ROUTER_FIELDS}, "
-                             f"got {sorted(unknown)!r}")
+        for name in ("required", "refused"):
+            unknown = set(getattr(self, name)) - set(ROUTER_FIELDS)
+            if unknown:
+                raise ValueError(f"{name}: must name fields of {ROUTER_FIELDS}, "
+                                 f"got {sorted(unknown)!r}")
+        both = set(self.required) & set(self.refused)
+        if both:
+            raise ValueError(f"refused: must not name a required field, got {sorted(both)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +189,10 @@ def _check_routing(msg: TrajectoryLike, rows: int, limits: Limits) -> Problem | 
         if not msg.HasField(field):
             return Problem(field, f"{field}: must be present (this queue requires it of "
                                   f"every trajectory: --require-record), got none")
+    for field in limits.refused:
+        if msg.HasField(field):
+            return Problem(field, f"{field}: must be absent (this queue's run does not "
+                                  f"record it: --refuse-record), got one")
     num_experts = limits.num_experts
     logits_e = None
     # None when unset (a pb2 message returns an empty default, a TrajectoryView None)
@@ -269,9 +279,21 @@ def _check_gates(g, routes_shape: list[int], rows: int) -> Problem | None:
     return None
 
 
-def _check_versions(msg: TrajectoryLike, n: int) -> Problem | None:
+def newest_version(msg: TrajectoryLike) -> int:
+    """The newest policy version that sampled a token of ``msg`` (a valid one): its last
+    token version, or ``policy_version`` when it has none."""
+    if not len(msg.token_versions):
+        return msg.policy_version
+    # VERSION_DTYPE is "<i4"; int.from_bytes, not numpy (7x faster): this runs under the
+    # queue's lock, for every item of a put
+    return int.from_bytes(msg.token_versions[-VERSION_DTYPE.itemsize:], "little", signed=True)
+
+
+def _check_versions(msg: TrajectoryLike, n: int, limits: Limits) -> Problem | None:
     """token_versions (when present): int32 [N], non-decreasing (a worker only moves
-    forward), the oldest equal to policy_version (the queue's lag rule reads that)."""
+    forward), the oldest equal to policy_version (the queue's lag rule reads that), none
+    beyond ``max_version`` (the trainer reads every one: a forged 2^30 used to drive its
+    token lag to -2e8)."""
     if not len(msg.token_versions):
         return None
     versions, bad = _packed(msg.token_versions, VERSION_DTYPE, "token_versions")
@@ -287,6 +309,9 @@ def _check_versions(msg: TrajectoryLike, n: int) -> Problem | None:
     if int(versions[0]) != msg.policy_version:
         return Problem("token_versions", f"token_versions: the oldest must be policy_version "
                                          f"{msg.policy_version}, got {int(versions[0])!r}")
+    if int(versions[-1]) > limits.max_version:
+        return Problem("token_versions", f"token_versions: must be in [0, "
+                                         f"{limits.max_version}], got {int(versions[-1])!r}")
     return None
 
 
@@ -298,4 +323,4 @@ def validate(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     p, n, bad = _check_tokens(msg, limits)
     if bad:
         return bad
-    return _check_versions(msg, n) or _check_routing(msg, p + n - 1, limits)
+    return _check_versions(msg, n, limits) or _check_routing(msg, p + n - 1, limits)

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from satjax.trajectory import MAX_VERSION, Trajectory
+from satjax.trajectory import MAX_VERSION, ROUTER_FIELDS, Trajectory
+
+
+class UnbatchableError(ValueError):
+    """Trajectories that cannot make one batch (the data is at fault, not the arguments):
+    a trainer skips such a batch and goes on, where stopping would stop again on every
+    ``--resume`` (the queue delivers the batch again until it is acknowledged)."""
 
 
 @struct.dataclass
@@ -76,7 +82,7 @@ def _grouped(trajectories: Sequence[Trajectory], group_size: int) -> list[Trajec
         groups.setdefault(t.group_id, []).append(t)
     for gid, members in groups.items():
         if len(members) != group_size:
-            raise ValueError(
+            raise UnbatchableError(
                 f"trajectories: group {gid!r} has {len(members)} members, expected "
                 f"group_size={group_size} (incomplete groups bias the group baseline)"
             )
@@ -115,7 +121,7 @@ def make_batch(
         their group's reward baseline, but contribute no gradient.
 
     Raises:
-      ValueError naming the offending trajectory / argument.
+      UnbatchableError naming the offending trajectory; ValueError naming the argument.
     """
     if not trajectories:
         raise ValueError("trajectories: empty list")
@@ -124,7 +130,7 @@ def make_batch(
     group_size = int(trajectories[0].group_size)
     for t in trajectories:
         if int(t.group_size) != group_size:
-            raise ValueError(
+            raise UnbatchableError(
                 f"trajectory {t.trajectory_id!r}: group_size {t.group_size} != {group_size}"
             )
     adv_by_id: dict[int, float] | None = None
@@ -140,7 +146,7 @@ def make_batch(
     T = pick_bucket(longest, buckets)
     if T is None:
         worst = max(ordered, key=lambda t: t.num_tokens)
-        raise ValueError(
+        raise UnbatchableError(
             f"trajectory {worst.trajectory_id!r} has {worst.num_tokens} tokens, more than the "
             f"largest bucket {max(buckets)}; raise buckets or cap max_new_tokens"
         )
@@ -148,11 +154,11 @@ def make_batch(
     n = len(ordered)
     B = -(-max(n, min_rows) // multiple) * multiple
 
-    for name in ("routed_experts", "routed_gates", "router_logits"):
+    for name in ROUTER_FIELDS:
         have = [t for t in ordered if getattr(t, name) is not None]
         if have and len(have) != len(ordered):
             missing = next(t for t in ordered if getattr(t, name) is None)
-            raise ValueError(
+            raise UnbatchableError(
                 f"trajectory {missing.trajectory_id!r} has no {name} while others do; "
                 f"{name} must be present on all trajectories of a batch or on none")
     with_routes = ordered[0].routed_experts is not None
@@ -162,7 +168,7 @@ def make_batch(
         L = num_layers_moe if num_layers_moe is not None else first.shape[1]
         k = top_k if top_k is not None else first.shape[2]
     if ordered[0].routed_gates is not None and not with_routes:
-        raise ValueError(f"trajectory {ordered[0].trajectory_id!r}: routed_gates without "
+        raise UnbatchableError(f"trajectory {ordered[0].trajectory_id!r}: routed_gates without "
                          "routed_experts")
 
     tokens = np.full((B, T), pad_id, np.int32)
@@ -184,14 +190,14 @@ def make_batch(
     for i, t in enumerate(ordered):
         P, N = len(t.prompt_tokens), len(t.response_tokens)
         if len(t.behavior_logprobs) != N:
-            raise ValueError(
+            raise UnbatchableError(
                 f"trajectory {t.trajectory_id!r}: {len(t.behavior_logprobs)} behavior_logprobs "
                 f"for {N} response tokens"
             )
         if P == 0:
-            raise ValueError(f"trajectory {t.trajectory_id!r}: empty prompt")
+            raise UnbatchableError(f"trajectory {t.trajectory_id!r}: empty prompt")
         if not 0 <= t.policy_version <= MAX_VERSION:
-            raise ValueError(f"trajectory {t.trajectory_id!r}: policy_version must be in "
+            raise UnbatchableError(f"trajectory {t.trajectory_id!r}: policy_version must be in "
                              f"[0, {MAX_VERSION}] (int32), got {t.policy_version!r}")
         tokens[i, :P] = t.prompt_tokens
         tokens[i, P : P + N] = t.response_tokens
@@ -206,7 +212,7 @@ def make_batch(
         if routes is not None and t.routed_experts is not None:
             r = np.asarray(t.routed_experts)
             if r.shape != (P + N - 1, L, k):
-                raise ValueError(
+                raise UnbatchableError(
                     f"trajectory {t.trajectory_id!r}: routed_experts shape {r.shape}, expected "
                     f"{(P + N - 1, L, k)} (P + N - 1 rows, L={L} MoE layers, top_k={k})"
                 )
@@ -215,7 +221,7 @@ def make_batch(
             value = getattr(t, name)
             if out is not None and value is not None:
                 if np.shape(value) != (P + N - 1, *out.shape[2:]):
-                    raise ValueError(
+                    raise UnbatchableError(
                         f"trajectory {t.trajectory_id!r}: {name} shape {np.shape(value)}, "
                         f"expected {(P + N - 1, *out.shape[2:])}")
                 out[i, : P + N - 1] = value

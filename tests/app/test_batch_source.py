@@ -351,3 +351,38 @@ def test_fetched_batches_are_freed_once_trained(tmp_path):
         server.stop(1.0)
     batch = rows * 0.5e6
     assert max(grown) < 3 * batch, [f"{g / 1e6:.0f} MB" for g in grown]
+
+
+def _with_logits(gid: str) -> list[Trajectory]:
+    """A group carrying router logits, as a worker of another run might put."""
+    return [dataclasses.replace(t, router_logits=np.zeros((8, 1, 2), np.float16))
+            for t in _group(gid)]
+
+
+@pytest.mark.parametrize("in_thread", [True, False], ids=["fetch-thread", "main-thread"])
+def test_a_batch_that_cannot_be_assembled_is_skipped_and_reported(queue, in_thread, caplog):
+    """A batch mixing a group with router logits and one without cannot be made: the
+    trainer used to stop on it (and on every --resume, the queue delivering it again).
+    It is skipped with one log line, the next batch is delivered in its place, and the
+    skipped batch's cursor comes with it, to be acknowledged with it."""
+    from satjax.train.batch import make_batch
+
+    client = queue()
+    client.put(_with_logits("A") + _group("B"))
+    source = BatchSource(Peers(), client, rows=2 * GROUP, max_lag=5,
+                         prepare=lambda t: make_batch(t, buckets=(16,)))
+    source._prepare_in_thread = in_thread  # a multi-process run prepares on the main thread
+    try:
+        source.prefetch(0)
+        _wait_delivered(client, 2 * GROUP)
+        client.put(_group("C") + _group("D"))
+        delivered = source.next(0, _never)
+    finally:
+        source.close()
+    assert delivered is not None and _groups(delivered.trajectories) == ["C", "D"]
+    assert delivered.batch.tokens.shape[0] == 2 * GROUP
+    assert len(delivered.skipped) == 1 and 0 < delivered.skipped[0] < delivered.reply.cursor
+    skips = [r.getMessage() for r in caplog.records if "skipping the batch" in r.getMessage()]
+    assert len(skips) == 1 and "router_logits" in skips[0]
+    client.ack(max(delivered.reply.cursor, *delivered.skipped))
+    assert client.stats()["delivered_unacked"] == 0 and client.stats()["pending"] == 0

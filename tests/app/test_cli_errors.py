@@ -287,9 +287,14 @@ def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
         cfg = load_config(overrides=list(overrides))
         out = queue_limit_flags(cfg, model_config(cfg, build_tokenizer(cfg)))
         return ([out[i + 1] for i, f in enumerate(out) if f == "--require-record"],
-                out[out.index("--max-version") + 1])
+                out[out.index("--max-version") + 1],
+                [out[i + 1] for i, f in enumerate(out) if f == "--refuse-record"])
 
-    assert flags() == (["routed_experts", "routed_gates"], str(MAX_VERSION))
-    assert flags("rollout.record_router_logits=true")[0] == [
-        "routed_experts", "routed_gates", "router_logits"]
-    assert flags("rollout.record_routes=false", "train.replay=off")[0] == []
+    # what the run does not record is refused as what it does is required: a group with
+    # router_logits in a run without them used to stop its trainer at every delivery
+    assert flags() == (["routed_experts", "routed_gates"], str(MAX_VERSION),
+                       ["router_logits"])
+    assert flags("rollout.record_router_logits=true")[::2] == (
+        ["routed_experts", "routed_gates", "router_logits"], [])
+    assert flags("rollout.record_routes=false", "train.replay=off")[::2] == (
+        [], ["routed_experts", "routed_gates", "router_logits"])

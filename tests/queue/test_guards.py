@@ -18,7 +18,7 @@ from satjax.utils import free_port
 
 LIMITS = ("--vocab-size", "1000", "--num-experts", "8", "--moe-layers", "2", "--top-k", "2",
           "--max-seq-len", "30", "--group-size", "2", "--max-version", "1000",
-          "--require-record", "routed_experts")
+          "--require-record", "routed_experts", "--refuse-record", "router_logits")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -35,6 +35,10 @@ def _poisons(make_traj):
     def with_token(t, value):
         t.response_tokens = t.response_tokens.copy()
         t.response_tokens[0] = value
+        return t
+
+    def with_versions(t, values):
+        t.token_versions = np.array(values, np.int32)
         return t
 
     def with_expert(t, value):
@@ -56,7 +60,10 @@ def _poisons(make_traj):
         "negative version": (dataclasses.replace(traj("neg"), policy_version=-1),
                              "policy_version"),
         "version over --max-version": (traj("new", version=1001), "policy_version"),
+        "token version over --max-version": (with_versions(traj("tv"), [0, 0, 4, 1001, 2**30]),
+                                             "token_versions"),
         "no routes (--require-record)": (traj("bare", routes=False), "routed_experts"),
+        "logits (--refuse-record)": (traj("logits", logits=True), "router_logits"),
     }
 
 
@@ -101,6 +108,24 @@ def test_versions_are_64_bit_end_to_end(tmp_path, token, make_group, start_serve
             assert len(c.get_batch(2, big, max_lag=10).trajectories) == 2
     finally:
         stop(server)
+
+
+def test_token_versions_from_the_future_are_refused(harness, make_traj):
+    """Once the trainer has asked at version 3, a record whose oldest token is version 3
+    but whose later tokens claim 1000 and 2^30 is refused (it used to be stored and
+    delivered); token versions up to the trainer's next one are accepted."""
+    h, client = harness()
+    client.get_batch(1, 3)  # the trainer asks at version 3
+    forged = make_traj("forged", "forged", version=3)
+    forged.token_versions = np.array([3, 3, 4, 1000, 2**30], np.int32)
+    fine = make_traj("fine", "fine", version=3)
+    fine.token_versions = np.array([3, 3, 4, 4, 4], np.int32)
+    result = client.put([forged, fine])
+    assert result.accepted == ["fine"]
+    assert [(r.trajectory_id, r.field) for r in result.rejected] == [
+        ("forged", "token_versions")]
+    assert "must be <= 4" in result.rejected[0].message
+    assert client.stats()["pending"] == 1
 
 
 def test_a_group_carries_one_router_record(harness, make_traj, make_group):

@@ -56,7 +56,8 @@ def good(make_traj, to_proto):
 
 def test_limits_bound_the_version_and_require_router_fields(good):
     msg = good()
-    assert validate(msg, Limits(max_version=3, required=("routed_experts", "routed_gates",
+    # make_traj's token versions: 3, 3, 4, 4, 5
+    assert validate(msg, Limits(max_version=5, required=("routed_experts", "routed_gates",
                                                          "router_logits"))) is None
     bad = validate(msg, Limits(max_version=2))
     assert bad is not None and bad.field == "policy_version" and "[0, 2]" in bad.message
@@ -65,6 +66,28 @@ def test_limits_bound_the_version_and_require_router_fields(good):
     assert bad is not None and bad.field == "router_logits" and "must be present" in bad.message
     with pytest.raises(ValueError, match="required: must name fields"):
         Limits(required=("routes",))
+
+
+def test_limits_refuse_router_fields_the_run_does_not_record(good):
+    msg = good()
+    bad = validate(msg, Limits(refused=("router_logits",)))
+    assert bad is not None and bad.field == "router_logits" and "must be absent" in bad.message
+    msg.ClearField("router_logits")
+    assert validate(msg, Limits(refused=("router_logits",))) is None
+    with pytest.raises(ValueError, match="refused: must not name a required field"):
+        Limits(required=("router_logits",), refused=("router_logits",))
+
+
+def test_every_token_version_is_bounded_by_max_version(good):
+    """Forged token versions (3, 3, 4, 1000, 2^30 under policy_version 3) used to pass, and
+    the trainer logged lag_token_mean -2.15e8: each token's version is bounded, not only
+    the oldest."""
+    msg = good()
+    _versions(msg, [3, 3, 4, 1000, 2**30])
+    bad = validate(msg, Limits(max_version=10**6))
+    assert bad is not None and bad.field == "token_versions"
+    assert "[0, 1000000]" in bad.message and str(2**30) in bad.message
+    assert validate(msg, Limits(max_version=2**30)) is None
 
 
 def test_a_full_record_is_valid(good):
