@@ -233,3 +233,47 @@ def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, phase, sft_steps):
         "satjax train: interrupted outside the RL steps (starting or stopping); no checkpoint "
         "yet; nothing to resume yet: run the same command again"), err[-3000:]
     assert _wait_gone(children, timeout=30) == []  # the queue and the worker followed
+
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+    """``<run>/checkpoints`` a read-only tmpfs (root ignores file modes, not a read-only
+    mount; mounting needs root or a user namespace)."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ckpt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {r.stderr.strip()}")
+    yield ckpt
+    subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_save_ends_the_process_and_its_children(tmp_path,
+                                                                    read_only_checkpoints):
+    """Before: the failure line was printed, then Orbax's async-save threads kept the
+    trainer alive until it was killed."""
+    proc = _start_train(tmp_path, "--set", "sft.mode=never", "--set", "checkpoint.every=1")
+    lines: list[str] = []
+    try:
+        children: list[int] = []
+        while not any(line.startswith("satjax train: failed") for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)[-3000:]  # it ended before failing
+            lines.append(line)
+            if line.startswith("satjax: starting 1 rollout worker(s)"):
+                children = [int(x) for x in subprocess.run(
+                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+                ).stdout.split()]
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 1, "".join(lines)[-3000:]
+    assert took < 10, took
+    assert "Read-only file system" in lines[-1], lines[-1]
+    assert len(children) == 2 and _wait_gone(children, timeout=10) == []
+
