@@ -87,7 +87,8 @@ def build_task(cfg: Config, tokenizer):
                                  seed=cfg.seed) if t.name == "arithmetic" else \
             DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
                             scoring=t.scoring, separator=t.separator, seed=cfg.seed)
-        return RescoredTask(builtin, checked_reward(t.reward)) if t.reward else builtin
+        return RescoredTask(builtin, checked_reward(t.reward, t.reward_timeout_s)) \
+            if t.reward else builtin
     fmt = prompt_format(cfg)
 
     def load(key: str, path: str) -> list[Example]:
@@ -100,7 +101,7 @@ def build_task(cfg: Config, tokenizer):
                               answers=warmup_enabled(cfg))
 
     return FileTask(load("task.jsonl_path", t.jsonl_path),
-                    checked_reward(t.reward or "math_verify"),
+                    checked_reward(t.reward or "math_verify", t.reward_timeout_s),
                     eval_examples=load("task.eval_path", t.eval_path) if t.eval_path else None)
 
 

@@ -3,6 +3,7 @@ children die with the trainer, a child that dies is reported at once, acks cover
 batch a checkpoint holds, no secret in the run directory. Real processes, loopback only."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -187,8 +188,9 @@ def test_latest_never_names_a_removed_version_when_a_resumed_run_republishes(tmp
     assert (sub.latest_version(), sub.wanted_version()) == (1, 0)
 
 
-def _start_train(tmp_path, *extra):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+def _start_train(tmp_path, *extra, pythonpath=()):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *map(str, pythonpath)]),
+           "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     # as a terminal's foreground command: SIGINT not ignored (a shell's background job,
     # which may run these tests, ignores it, and an ignored signal is inherited; a handled
@@ -277,3 +279,26 @@ def test_a_failed_checkpoint_save_ends_the_process_and_its_children(tmp_path,
     assert "Read-only file system" in lines[-1], lines[-1]
     assert len(children) == 2 and _wait_gone(children, timeout=10) == []
 
+
+@pytest.mark.slow
+def test_a_reward_that_never_returns_stops_the_run_naming_the_example(tmp_path):
+    """Before: the worker hung in the reward and the trainer waited for its rollouts,
+    silent, for ever."""
+    (tmp_path / "hang_reward.py").write_text("import time\n"
+                                             "def score(response, example):\n"
+                                             "    time.sleep(1e6)\n")
+    proc = _start_train(tmp_path, "--set", "sft.mode=never", "--set",
+                        "task.reward=hang_reward:score", "--set", "task.reward_timeout_s=2",
+                        pythonpath=[tmp_path])
+    try:
+        _, err = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.fullmatch(
+        r"satjax train: failed: worker0 exited with code 1: task.reward 'hang_reward:score' "
+        r"did not return within 2s on example train-\d+: stopping \(a reward call "
+        r"cannot be interrupted; task.reward_timeout_s allows it longer\); no checkpoint yet; "
+        r"fix the error above and start the run again \(there is nothing to resume\)",
+        err.strip().splitlines()[-1]), err[-3000:]

@@ -194,3 +194,38 @@ def test_a_null_or_unwritable_row_is_refused_naming_it(tmp_path):
                    tmp_path / "t.parquet")
     with pytest.raises(ConfigError, match=r"t.parquet: row 1 has a null 'hint'"):
         _build(tmp_path, tmp_path / "t.parquet", "task.prompt_template='{hint}{prompt}'")
+
+
+@pytest.mark.parametrize("hang", ["time.sleep(1e6)", "while True: pass"],
+                         ids=["blocked", "spinning"])
+def test_a_reward_that_never_returns_ends_the_process_naming_the_example(tmp_path, hang):
+    """``task.reward_timeout_s`` bounds each call, not their sum: eight 0.2 s calls on one
+    example pass a 0.5 s limit; a call that never returns (blocked in a sleep, or spinning
+    in Python) ends the process within seconds, its last line naming the example. In a
+    subprocess: the process that computes rewards is the one that ends."""
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "user_slow.py").write_text(
+        "import time\n"
+        "def fine(response, example):\n"
+        "    time.sleep(0.2)\n"
+        "    return 1.0\n"
+        "def score(response, example):\n"
+        f"    {hang}\n")
+    script = ("from satjax.data.rewards import checked_reward\n"
+              "from satjax.data.tasks import Example\n"
+              "ex = Example('q7', '?', '1', index=7)\n"
+              "fine = checked_reward('user_slow:fine', timeout_s=0.5)\n"
+              "print(sum(fine('', ex) for _ in range(8)), flush=True)\n"
+              "checked_reward('user_slow:score', timeout_s=0.5)('', ex)\n"
+              "print('returned')\n")
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{repo}:{tmp_path}"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "8.0\n", (r.stdout, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == (
+        "task.reward 'user_slow:score' did not return within 0.5s on example 7 (q7): "
+        "stopping (a reward call cannot be interrupted; task.reward_timeout_s allows it "
+        "longer)"), r.stderr[-2000:]
