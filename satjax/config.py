@@ -135,6 +135,9 @@ class TaskConfig:
     # "": the task's own (a built-in task's scoring; math_verify for jsonl); "math_verify";
     # "exact"; "module:function", a function (response: str, example) -> float
     reward: str = ""
+    # a reward call (task.reward's) that lasts longer stops the process computing it (a
+    # worker: then the run) with one line naming the example; .inf: no limit
+    reward_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -508,6 +511,7 @@ def _check_values(cfg: Config) -> None:
     need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
     need(cfg.queue.ready_timeout_s > 0, "queue.ready_timeout_s", "> 0 seconds")
+    need(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s", "> 0 seconds")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
     _check_objective(cfg.objective)
 

@@ -26,6 +26,7 @@ from satjax.model import DTYPES, Qwen3MoeConfig, Qwen3MoeForCausalLM, from_pretr
 from satjax.model.tokenizer import CharTokenizer, load_hf_tokenizer
 from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import WorkerConfig
+from satjax.train.sft import warmup_enabled
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,35 @@ def prompt_format(cfg: Config) -> PromptFormat:
     return PromptFormat(cfg.task.prompt_template, cfg.task.system_prompt)
 
 
+def _encoded_length(tokenizer, fmt: PromptFormat, ex: Example, key: str, path: str,
+                    answer: bool) -> int:
+    """The templated prompt's length in tokens; with ``answer``, the answer is encoded too
+    (the warm-up trains on it). Raises ConfigError naming the row when the template names
+    a field it lacks or the tokenizer cannot write its text (the character tokenizer's
+    alphabet)."""
+    try:
+        text = fmt.text(tokenizer, ex)
+    except ValueError as e:  # "task.prompt_template: row N has no field ..."
+        raise ConfigError(f"config key 'task.prompt_template': {path}: "
+                          f"{str(e).partition(': ')[2]}") from None
+    where = f"config key {key!r}: {path}: row {ex.index}"
+    try:
+        n = len(fmt.encode_text(tokenizer, text))
+    except ValueError as e:  # outside the character tokenizer's alphabet
+        raise ConfigError(f"{where}'s prompt: {e}") from None
+    if answer:
+        try:
+            tokenizer.encode(ex.answer)
+        except ValueError as e:
+            raise ConfigError(f"{where}'s answer (the warm-up trains on it): {e}") from None
+    return n
+
+
 def _short_prompts(examples: list[Example], tokenizer, fmt: PromptFormat, limit: int,
-                   what: str) -> list[Example]:
-    """``examples`` without those whose prompt is longer than ``limit`` tokens (logged)."""
-    lengths = [len(fmt.encode(tokenizer, ex)) for ex in examples]
+                   key: str, what: str, answers: bool) -> list[Example]:
+    """``examples`` without those whose prompt is longer than ``limit`` tokens (logged);
+    every prompt (and with ``answers``, every answer) encodable, else ConfigError."""
+    lengths = [_encoded_length(tokenizer, fmt, ex, key, what, answers) for ex in examples]
     kept = [ex for ex, n in zip(examples, lengths, strict=True) if n <= limit]
     if not kept:
         raise ConfigError(f"config key 'task.max_prompt_tokens': must fit a prompt of {what} "
@@ -52,14 +78,17 @@ def _short_prompts(examples: list[Example], tokenizer, fmt: PromptFormat, limit:
 def build_task(cfg: Config, tokenizer):
     """The configured task; a file task's rows read, their prompts longer than
     ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped.
-    Raises ConfigError (one line) for unreadable rows or no prompt short enough."""
+    Raises ConfigError (one line naming the row) for unreadable rows, a null question or
+    answer, a template field a row lacks, text the tokenizer cannot write (answers too
+    when the SFT warm-up trains on them), or no prompt short enough."""
     t = cfg.task
     if t.name in ("arithmetic", "sort", "reverse"):
         builtin = ArithmeticTask(min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops,
                                  seed=cfg.seed) if t.name == "arithmetic" else \
             DigitStringTask(op=t.name, min_digits=t.min_digits, max_digits=t.max_digits,
                             scoring=t.scoring, separator=t.separator, seed=cfg.seed)
-        return RescoredTask(builtin, checked_reward(t.reward)) if t.reward else builtin
+        return RescoredTask(builtin, checked_reward(t.reward, t.reward_timeout_s)) \
+            if t.reward else builtin
     fmt = prompt_format(cfg)
 
     def load(key: str, path: str) -> list[Example]:
@@ -68,10 +97,11 @@ def build_task(cfg: Config, tokenizer):
                                      answer_field=t.answer_field)
         except ValueError as e:  # one line naming the row and what is wrong
             raise ConfigError(f"config key {key!r}: {e}") from None
-        return _short_prompts(examples, tokenizer, fmt, t.max_prompt_tokens, path)
+        return _short_prompts(examples, tokenizer, fmt, t.max_prompt_tokens, key, path,
+                              answers=warmup_enabled(cfg))
 
     return FileTask(load("task.jsonl_path", t.jsonl_path),
-                    checked_reward(t.reward or "math_verify"),
+                    checked_reward(t.reward or "math_verify", t.reward_timeout_s),
                     eval_examples=load("task.eval_path", t.eval_path) if t.eval_path else None)
 
 

@@ -86,6 +86,10 @@ def test_bad_keys_are_named(override, key):
         ("rollout.queue_retry_s=.inf", "config key 'rollout.queue_retry_s': must be a finite "
                                        "number of seconds >= 0"),
         ("train.adam_b2=1", "config key 'train.adam_b2': must be >= 0 and < 1, got 1.0"),
+        ("task.reward_timeout_s=0", "config key 'task.reward_timeout_s': must be > 0 "
+                                    "seconds, got 0"),
+        ("task.reward_timeout_s=.nan", "config key 'task.reward_timeout_s': must be > 0 "
+                                       "seconds, got nan"),
         ("train.adam_b1=-0.1", "config key 'train.adam_b1': must be >= 0 and < 1, got -0.1"),
     ],
 )

@@ -13,6 +13,8 @@ import sys
 from satjax import __version__
 from satjax.utils import retain_freed_memory
 
+EXIT_FAILED = 1  # a command that failed (0: done, 2: a user error, 130: interrupted)
+
 # command -> (module, function taking argv list and returning an exit code, help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("satjax.app.commands", "train",
@@ -34,11 +36,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(argv)
+        code = _dispatch(argv)
     except BrokenPipeError:  # e.g. `satjax -h | head`: the reader left; not an error of ours
         # Python flushes stdout again at exit; point it at /dev/null so that is silent too
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if code == EXIT_FAILED:
+        # A failed command ends here rather than in Python's exit, which joins every
+        # non-daemon thread: a failure can leave a library's thread blocked for good (after
+        # a checkpoint save into a read-only directory, Orbax's async-save threads never
+        # finish), and the process would never end. The command has printed its line,
+        # stopped its children and closed its files; only buffered output is left to write.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from satjax.app.launch import ChildExitedError
 from satjax.config import Config, ConfigError, config_digest, load_config
 from satjax.run_dir import RunDirError, RunDirs
 
@@ -37,7 +38,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C'd command (128 + SIGINT)
 # objective, the optimizer, batch shapes, lags) would silently make it another experiment.
 RESUME_SAFE_KEYS = ("train.steps", "checkpoint.every", "checkpoint.keep", "eval.",
                     "rollout.num_workers", "rollout.vllm_python", "rollout.queue_retry_s",
-                    "queue.address",
+                    "queue.address", "task.reward_timeout_s",
                     "queue.token", "queue.fsync", "queue.ready_timeout_s")
 
 
@@ -468,7 +469,10 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
               f"{next_step(cfg.run_dir, None)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
-        traceback.print_exc()
+        if isinstance(e, ChildExitedError):  # its log says why; the trainer's stack cannot
+            print(f"satjax train: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         import jax
 
         if jax.process_count() > 1:
@@ -480,8 +484,11 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
                   "exists)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
-        print(f"satjax train: failed; {_checkpoint_note(dirs)}; {next_step(cfg.run_dir, e)}",
-              file=sys.stderr)
+        # a child's failure: its last line (e.g. a reward that timed out, naming the example)
+        cause = f": {e.name} exited with code {e.returncode}: {e.last_line}" \
+            if isinstance(e, ChildExitedError) else ""
+        print(f"satjax train: failed{cause}; {_checkpoint_note(dirs)}; "
+              f"{next_step(cfg.run_dir, e)}", file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:

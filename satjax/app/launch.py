@@ -73,8 +73,12 @@ class ChildExitedError(RuntimeError):
     """A child process exited while the run needed it."""
 
     def __init__(self, name: str, returncode: int, log_file: Path):
-        super().__init__(f"{name} exited with code {returncode}\n{log_tail(log_file)}")
+        tail = log_tail(log_file)
+        super().__init__(f"{name} exited with code {returncode}\n{tail}")
         self.name, self.returncode = name, returncode
+        # what a child that stops on purpose writes last: why (e.g. a reward that timed out)
+        self.last_line = next((line for line in reversed(tail.splitlines()[1:])
+                               if line.strip()), "")
 
 
 class ProcessGroup:

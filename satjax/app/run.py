@@ -117,7 +117,9 @@ def sft_settings(cfg: Config) -> dict[str, Any]:
     # as their model.path)
     return json.loads(json.dumps({
         "seed": cfg.seed, "sft": dataclasses.asdict(cfg.sft),
-        "task": dataclasses.asdict(cfg.task),
+        # how long a reward may take is no part of the warm-up (a --resume may change it)
+        "task": {k: v for k, v in dataclasses.asdict(cfg.task).items()
+                 if k != "reward_timeout_s"},
         "model": {k: v for k, v in dataclasses.asdict(cfg.model).items()
                   if k != "path" or cfg.model.path},
     }))  # through JSON: tuples become lists, as they read back

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
+from satjax.data.rewards import RewardError
 from satjax.factory import build_task, build_tokenizer, model_config, worker_config
 from satjax.rollout.factory import make_engine
 from satjax.rollout.worker import QueueRejectedError, RolloutWorker
@@ -109,9 +110,10 @@ def main(argv: list[str]) -> int:
     )
     try:
         n = worker.run(max_batches=args.max_batches)
-    except (QueueError, QueueRejectedError, WeightSyncError) as e:
-        # the queue went away (stopped before this worker) or refuses what it makes, or the
-        # trainer published weights this worker must not serve: one line, not a traceback
+    except (QueueError, QueueRejectedError, WeightSyncError, RewardError) as e:
+        # the queue went away (stopped before this worker) or refuses what it makes, the
+        # trainer published weights this worker must not serve, or the task's reward failed
+        # (naming the example): one line, not a traceback
         log.error("worker %s stopped after %d trajectories: %s", wid, worker.produced, e)
         return 1
     log.info("worker %s stopped after %d trajectories", wid, n)

@@ -36,16 +36,23 @@ class PromptFormat:
             messages = [{"role": "system", "content": self.system_prompt}] \
                 if self.system_prompt else []
             return chat([*messages, {"role": "user", "content": example.prompt}])
+        # a null field (JSON null; a Parquet row without it: a column holds every field)
+        # is absent, not the text "None"
+        fields = {k: v for k, v in example.fields.items() if v is not None}
         try:
-            return self.template.format(**{"prompt": example.prompt, **example.fields})
+            return self.template.format(**{"prompt": example.prompt, **fields})
         except (KeyError, IndexError) as e:
-            raise ValueError(f"task.prompt_template: example {example.index} has no field "
+            what = "a null" if e.args[0] in example.fields else "no field"
+            raise ValueError(f"task.prompt_template: row {example.index} has {what} "
                              f"{e.args[0]!r} (fields: prompt, "
                              f"{', '.join(map(str, example.fields))})") from None
 
     def encode(self, tokenizer, example: Example) -> list[int]:
         """The prompt's token ids: the text of :meth:`text`, with BOS as described above."""
-        text = self.text(tokenizer, example)
+        return self.encode_text(tokenizer, self.text(tokenizer, example))
+
+    def encode_text(self, tokenizer, text: str) -> list[int]:
+        """The token ids of a prompt's :meth:`text`, with BOS as described above."""
         ids = tokenizer.encode(text, add_bos=self.template != "chat")
         bos = tokenizer.bos_id
         while bos is not None and ids[:2] == [bos, bos]:  # a template that wrote one too

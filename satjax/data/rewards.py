@@ -11,6 +11,9 @@ import importlib
 import math
 import os
 import sys
+import threading
+import time
+import weakref
 
 from satjax.data.tasks import Example, RewardFn, exact_match_reward, math_answer_reward
 
@@ -55,20 +58,83 @@ def import_reward(spec: str) -> RewardFn:
     return fn
 
 
-def checked_reward(spec: str) -> RewardFn:
+def example_name(ex: Example) -> str:
+    """How an error names an example: its row in the file and its prompt id (a built-in
+    task's examples have no row: ``index`` -1)."""
+    return f"example {ex.index} ({ex.prompt_id})" if ex.index >= 0 else \
+        f"example {ex.prompt_id}"
+
+
+EXIT_REWARD_TIMEOUT = 1  # the exit code of a process whose reward call did not return
+
+
+class _Call:
+    """The reward call in progress: ``current`` is a new 1-tuple of its example per call
+    (compared by identity: two calls on one example differ), None between calls."""
+
+    __slots__ = ("current", "__weakref__")
+
+    def __init__(self) -> None:
+        self.current: tuple[Example] | None = None
+
+
+def _watch(call_ref: weakref.ref, spec: str, timeout_s: float) -> None:
+    """Polls the call in progress; ends the process when one has lasted ``timeout_s``.
+    Returns once the reward function it watches is gone."""
+    poll_s = min(1.0, timeout_s / 4)  # fires between timeout_s and timeout_s + poll_s
+    seen: tuple[Example] | None = None
+    since = 0.0
+    while True:
+        time.sleep(poll_s)
+        call = call_ref()
+        if call is None:
+            return
+        current = call.current
+        del call  # no reference of this thread keeps the function alive
+        now = time.monotonic()
+        if current is not seen:
+            seen, since = current, now  # held here, so its identity is never reused
+        elif current is not None and now - since >= timeout_s:
+            # A thread cannot be stopped from outside in Python (an exception raised into
+            # it waits for the call to come back to the interpreter, which a blocked read
+            # or sleep never does), and what a hung reward left half done is unknown: the
+            # process ends, this line its last. A worker's trainer reports it, naming the
+            # worker; the children of a process that ends so die with it (PDEATHSIG).
+            os.write(2, (f"task.reward {spec!r} did not return within {timeout_s:g}s on "
+                         f"{example_name(current[0])}: stopping (a reward call "
+                         "cannot be interrupted; task.reward_timeout_s allows it longer)\n"
+                         ).encode())
+            os._exit(EXIT_REWARD_TIMEOUT)
+
+
+def checked_reward(spec: str, timeout_s: float = math.inf) -> RewardFn:
     """:func:`import_reward`'s function, with its failures raised as :class:`RewardError`
-    naming the example (index and prompt id) and ``spec``."""
+    naming the example (index and prompt id) and ``spec``.
+
+    A call that lasts ``timeout_s`` (``task.reward_timeout_s``) ends the process with one
+    line on stderr naming the example and exit code :data:`EXIT_REWARD_TIMEOUT`: a
+    watchdog thread polls what the call in progress is (each call costs two attribute
+    writes; see ``benchmarks/bench_reward_timeout.py``). Calls come from one thread at a time,
+    as satjax makes them (another thread's calls would hide a hung one). A call stuck in
+    C code that holds the GIL stops the watchdog too: it is not caught."""
     fn = import_reward(spec)
+    call = _Call()
+    if math.isfinite(timeout_s):
+        threading.Thread(target=_watch, args=(weakref.ref(call), spec, timeout_s),
+                         name="reward-timeout", daemon=True).start()
 
     def reward(response: str, example: Example) -> float:
+        call.current = (example,)
         try:
             value = float(fn(response, example))
         except Exception as e:
-            raise RewardError(f"task.reward {spec!r} failed on example {example.index} "
-                              f"({example.prompt_id}): {type(e).__name__}: {e}") from e
+            raise RewardError(f"task.reward {spec!r} failed on {example_name(example)}: "
+                              f"{type(e).__name__}: {e}") from e
+        finally:
+            call.current = None
         if not math.isfinite(value):
-            raise RewardError(f"task.reward {spec!r} returned {value} on example "
-                              f"{example.index} ({example.prompt_id}); must be finite")
+            raise RewardError(f"task.reward {spec!r} returned {value} on "
+                              f"{example_name(example)}; must be finite")
         return value
 
     return reward

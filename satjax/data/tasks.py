@@ -270,7 +270,8 @@ def load_examples(
     """The rows of ``path`` (:func:`load_rows`) as examples: ``question_field`` is the
     prompt, ``answer_field`` the reference answer (after GSM8K's ``####`` if there is
     one); the whole row is kept in ``Example.fields`` for prompt templates and reward
-    functions, and its position in ``Example.index``.
+    functions, and its position in ``Example.index``. A row without either, or with it
+    null, is refused (ValueError naming the row).
 
     Prompt ids are a hash of the question so they survive reordering of the file.
     """
@@ -281,6 +282,11 @@ def load_examples(
             if field not in row:
                 raise ValueError(f"{path}: row {i} has no field {field!r} (its fields: "
                                  f"{', '.join(map(str, row))}); set {key}")
+            # JSON null, or a Parquet/datasets row without it (a column holds every
+            # field): str() would make it the text "None", trained and scored as such
+            if row[field] is None:
+                raise ValueError(f"{path}: row {i}: its {field!r} ({key}) is null; give "
+                                 "every row one, or leave the row out")
         question = str(row[question_field])
         examples.append(Example(
             prompt_id=f"q{zlib.crc32(question.encode()):08x}", prompt=question,

@@ -162,6 +162,35 @@ def test_config_file_that_is_not_utf8_is_one_line(satjax_cli, tmp_path):
         f"offset {raw.index(0xE9)}"), r.stderr[-2000:]
 
 
+BAD_ROWS = [  # (the second row, extra --set, the end of the error line)
+    ({"question": "2+2", "answer": None}, [],
+     "row 1: its 'answer' (task.answer_field) is null; give every row one, or leave the row "
+     "out"),
+    ({"question": "2+2", "answer": "4"}, ["--set", "task.prompt_template='{hint}{prompt}'"],
+     "row 1 has no field 'hint' (fields: prompt, question, answer)"),
+    ({"question": "2+2 \u00e9", "answer": "4"}, [],
+     "row 1's prompt: text contains character '\u00e9' outside the tokenizer alphabet"),
+]
+
+
+@pytest.mark.parametrize("row, extra, end", BAD_ROWS, ids=["null", "template", "alphabet"])
+@pytest.mark.slow
+def test_a_bad_row_is_one_line_naming_it(satjax_cli, tmp_path, row, extra, end):
+    """What README and docs/real-models.md promise of bad data: one line, exit code 2 (was a
+    traceback, exit 1; a null answer trained as the text "None")."""
+    import json
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in
+                            [{"question": "1+1", "answer": "2", "hint": "h"}, row]))
+    r = satjax_cli("train", "--set", "task.name=jsonl", "--set", f"task.jsonl_path={data}",
+                   "--set", "task.reward=exact", "--set", f"run_dir={tmp_path / 'run'}", *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("satjax train: error: config key 'task.") and f"{data}: " in last
+    assert last.endswith(end), last
+
+
 def test_serve_queue_on_a_port_in_use_is_one_line(satjax_cli, satjax_env, tmp_path):
     satjax_env["SATJAX_QUEUE_TOKEN"] = "a-queue-token-of-24-chars"
     with socket.socket() as held:

@@ -3,6 +3,7 @@ children die with the trainer, a child that dies is reported at once, acks cover
 batch a checkpoint holds, no secret in the run directory. Real processes, loopback only."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -187,8 +188,9 @@ def test_latest_never_names_a_removed_version_when_a_resumed_run_republishes(tmp
     assert (sub.latest_version(), sub.wanted_version()) == (1, 0)
 
 
-def _start_train(tmp_path, *extra):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+def _start_train(tmp_path, *extra, pythonpath=()):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *map(str, pythonpath)]),
+           "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     # as a terminal's foreground command: SIGINT not ignored (a shell's background job,
     # which may run these tests, ignores it, and an ignored signal is inherited; a handled
@@ -233,3 +235,70 @@ def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, phase, sft_steps):
         "satjax train: interrupted outside the RL steps (starting or stopping); no checkpoint "
         "yet; nothing to resume yet: run the same command again"), err[-3000:]
     assert _wait_gone(children, timeout=30) == []  # the queue and the worker followed
+
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+    """``<run>/checkpoints`` a read-only tmpfs (root ignores file modes, not a read-only
+    mount; mounting needs root or a user namespace)."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ckpt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {r.stderr.strip()}")
+    yield ckpt
+    subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_save_ends_the_process_and_its_children(tmp_path,
+                                                                    read_only_checkpoints):
+    """Before: the failure line was printed, then Orbax's async-save threads kept the
+    trainer alive until it was killed."""
+    proc = _start_train(tmp_path, "--set", "sft.mode=never", "--set", "checkpoint.every=1")
+    lines: list[str] = []
+    try:
+        children: list[int] = []
+        while not any(line.startswith("satjax train: failed") for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)[-3000:]  # it ended before failing
+            lines.append(line)
+            if line.startswith("satjax: starting 1 rollout worker(s)"):
+                children = [int(x) for x in subprocess.run(
+                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+                ).stdout.split()]
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 1, "".join(lines)[-3000:]
+    assert took < 10, took
+    assert "Read-only file system" in lines[-1], lines[-1]
+    assert len(children) == 2 and _wait_gone(children, timeout=10) == []
+
+
+@pytest.mark.slow
+def test_a_reward_that_never_returns_stops_the_run_naming_the_example(tmp_path):
+    """Before: the worker hung in the reward and the trainer waited for its rollouts,
+    silent, for ever."""
+    (tmp_path / "hang_reward.py").write_text("import time\n"
+                                             "def score(response, example):\n"
+                                             "    time.sleep(1e6)\n")
+    proc = _start_train(tmp_path, "--set", "sft.mode=never", "--set",
+                        "task.reward=hang_reward:score", "--set", "task.reward_timeout_s=2",
+                        pythonpath=[tmp_path])
+    try:
+        _, err = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.fullmatch(
+        r"satjax train: failed: worker0 exited with code 1: task.reward 'hang_reward:score' "
+        r"did not return within 2s on example train-\d+: stopping \(a reward call "
+        r"cannot be interrupted; task.reward_timeout_s allows it longer\); no checkpoint yet; "
+        r"fix the error above and start the run again \(there is nothing to resume\)",
+        err.strip().splitlines()[-1]), err[-3000:]

@@ -76,7 +76,7 @@ def test_templates_put_one_bos():
     assert fmt == [bos, *CharTokenizer.encode(tok, "level 3: 1+1=")]
     # a format string that writes the BOS text too: still one
     assert encode_prompt(tok, ex, PromptFormat("<bos>{prompt}")) == raw
-    with pytest.raises(ValueError, match=r"example -1 has no field 'answer_text'"):
+    with pytest.raises(ValueError, match=r"row -1 has no field 'answer_text'"):
         encode_prompt(tok, ex, PromptFormat("{answer_text}"))
     with pytest.raises(ValueError, match="needs a Hugging Face tokenizer"):
         encode_prompt(CharTokenizer(), ex, PromptFormat("chat"))
@@ -147,3 +147,85 @@ def test_a_builtin_task_takes_a_user_reward(tmp_path, monkeypatch):
     ex = task.example(3)
     assert ex == build_task(load_config(), CharTokenizer()).example(3)
     assert task.reward("abc", ex) == 3.0
+
+
+def _build(tmp_path, path, *overrides):
+    from satjax.config import load_config
+    from satjax.factory import build_task
+
+    cfg = load_config(overrides=["task.name=jsonl", f"task.jsonl_path={path}",
+                                 "task.reward=exact", f"run_dir={tmp_path / 'run'}",
+                                 *overrides])
+    return build_task(cfg, CharTokenizer())
+
+
+def test_a_null_or_unwritable_row_is_refused_naming_it(tmp_path):
+    """A null answer (JSON null; a Parquet row without the field) is not the text "None";
+    a template field one row lacks and a character outside the tokenizer's alphabet name
+    the row (ConfigError: one line, exit code 2 from the CLI), never a traceback."""
+    from satjax.config import ConfigError
+
+    good = {"question": "1+1", "answer": "2", "hint": "a"}
+    path = _jsonl(tmp_path / "null.jsonl", [good, {"question": "2+2", "answer": None}])
+    with pytest.raises(ConfigError, match=rf"'task.jsonl_path': {path}: row 1: its 'answer' "
+                                          r"\(task.answer_field\) is null"):
+        _build(tmp_path, path)
+    path = _jsonl(tmp_path / "tmpl.jsonl", [good, {"question": "2+2", "answer": "4"}])
+    with pytest.raises(ConfigError, match=rf"'task.prompt_template': {path}: row 1 has no "
+                                          r"field 'hint' \(fields: prompt, question, answer\)"):
+        _build(tmp_path, path, "task.prompt_template='{hint}{prompt}'")
+    path = _jsonl(tmp_path / "char.jsonl", [good, {"question": "2+2 é", "answer": "4"}])
+    with pytest.raises(ConfigError, match=rf"'task.jsonl_path': {path}: row 1's prompt: text "
+                                          r"contains character 'é' outside the tokenizer"):
+        _build(tmp_path, path)
+    path = _jsonl(tmp_path / "answer.jsonl", [good, {"question": "2+2", "answer": "4 é"}])
+    with pytest.raises(ConfigError, match=r"row 1's answer \(the warm-up trains on it\)"):
+        _build(tmp_path, path)
+    assert _build(tmp_path, path, "sft.mode=never").size == 1  # no warm-up: not encoded
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    # a Parquet column holds every field: the row without one reads it as null
+    pq.write_table(pa.Table.from_pylist([good, {"question": "2+2"}]), tmp_path / "n.parquet")
+    with pytest.raises(ConfigError, match=r"n.parquet: row 1: its 'answer' "
+                                          r"\(task.answer_field\) is null"):
+        _build(tmp_path, tmp_path / "n.parquet")
+    pq.write_table(pa.Table.from_pylist([good, {"question": "2+2", "answer": "4"}]),
+                   tmp_path / "t.parquet")
+    with pytest.raises(ConfigError, match=r"t.parquet: row 1 has a null 'hint'"):
+        _build(tmp_path, tmp_path / "t.parquet", "task.prompt_template='{hint}{prompt}'")
+
+
+@pytest.mark.parametrize("hang", ["time.sleep(1e6)", "while True: pass"],
+                         ids=["blocked", "spinning"])
+def test_a_reward_that_never_returns_ends_the_process_naming_the_example(tmp_path, hang):
+    """``task.reward_timeout_s`` bounds each call, not their sum: eight 0.2 s calls on one
+    example pass a 0.5 s limit; a call that never returns (blocked in a sleep, or spinning
+    in Python) ends the process within seconds, its last line naming the example. In a
+    subprocess: the process that computes rewards is the one that ends."""
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "user_slow.py").write_text(
+        "import time\n"
+        "def fine(response, example):\n"
+        "    time.sleep(0.2)\n"
+        "    return 1.0\n"
+        "def score(response, example):\n"
+        f"    {hang}\n")
+    script = ("from satjax.data.rewards import checked_reward\n"
+              "from satjax.data.tasks import Example\n"
+              "ex = Example('q7', '?', '1', index=7)\n"
+              "fine = checked_reward('user_slow:fine', timeout_s=0.5)\n"
+              "print(sum(fine('', ex) for _ in range(8)), flush=True)\n"
+              "checked_reward('user_slow:score', timeout_s=0.5)('', ex)\n"
+              "print('returned')\n")
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{repo}:{tmp_path}"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "8.0\n", (r.stdout, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == (
+        "task.reward 'user_slow:score' did not return within 0.5s on example 7 (q7): "
+        "stopping (a reward call cannot be interrupted; task.reward_timeout_s allows it "
+        "longer)"), r.stderr[-2000:]
