@@ -75,6 +75,14 @@ def load(p: argparse.ArgumentParser, args: argparse.Namespace) -> Config:
     return cfg
 
 
+def damaged(p: argparse.ArgumentParser, error: BaseException) -> int:
+    """Ends a command that found published weights it cannot read (a damaged or cut-short
+    file, a base version gone): exit code 1 and one line naming the version and the file,
+    not a traceback. Nothing was written."""
+    print(f"{p.prog}: error: {error}", file=sys.stderr)
+    return 1
+
+
 def check_resources(cfg: Config) -> None:
     """What ``load_config`` cannot check without looking outside the config: the paths it
     names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
@@ -583,7 +591,7 @@ def evaluate(argv: list[str]) -> int:
     for flag, value in (("--k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             fail(p, f"{flag}: must be >= 1, got {value!r}")
-    from satjax.weight_sync import WeightSubscriber
+    from satjax.weight_sync import WeightSubscriber, WeightSyncError
 
     path = args.model
     sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
@@ -608,8 +616,11 @@ def evaluate(argv: list[str]) -> int:
         task = build_task(cfg, tok)
     except ConfigError as e:
         fail(p, str(e))
-    # the latest version may be a delta: rebuilt from its keyframe
-    model = from_pretrained(path) if latest is None else published_model(sub, latest)
+    try:
+        # the latest version may be a delta: rebuilt from its keyframe
+        model = from_pretrained(path) if latest is None else published_model(sub, latest)
+    except (WeightSyncError, OSError) as e:
+        return damaged(p, e)
     result = run_eval(
         model, task, tok,
         num_prompts=args.num_prompts or cfg.eval.num_prompts, k=args.k or cfg.eval.k,
@@ -652,7 +663,10 @@ def export(argv: list[str]) -> int:
     from satjax.model import save_pretrained
     from satjax.rollout.builtin_engine import published_model
 
-    model = published_model(sub, version)  # float32, canary-checked
+    try:
+        model = published_model(sub, version)  # float32, checksum- and canary-checked
+    except (WeightSyncError, OSError) as e:
+        return damaged(p, e)
     save_pretrained(model, args.out, tokenizer=build_tokenizer(cfg))
     print(f"wrote version {version} to {args.out} (a Hugging Face model: "
           "AutoModelForCausalLM.from_pretrained / vllm serve load it)")
