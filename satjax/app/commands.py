@@ -509,6 +509,18 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
 ENVIRONMENT_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
+def environment_cause(error: BaseException | None) -> OSError | None:
+    """The OSError of :data:`ENVIRONMENT_ERRNOS` that ``error`` is or was raised from (a
+    full disk reaches the trainer inside a ``WeightSyncError`` of the publish), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def next_step(run_dir: str, error: BaseException | None) -> str:
     """What to do after a start of ``satjax train`` that ended early (``error``: why; None:
     interrupted). ``--resume`` is suggested only where it can help: the run has a
@@ -518,8 +530,9 @@ def next_step(run_dir: str, error: BaseException | None) -> str:
     from satjax.app.run import QueueUnreachableError
 
     fix = ""
-    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
-        fix = f"fix the cause ({error.strerror}: {error.filename or 'see above'}), then "
+    cause = environment_cause(error)
+    if cause is not None:
+        fix = f"fix the cause ({cause.strerror}: {cause.filename or 'see above'}), then "
     elif isinstance(error, QueueUnreachableError):
         fix = "start the queue (or set queue.address to where it runs), then "
     dirs = RunDirs(run_dir)

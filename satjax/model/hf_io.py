@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.transformer import Qwen3MoeForCausalLM
-from satjax.utils import atomic_write, write_all
+from satjax.utils import atomic_write, name_file, write_all
 
 Path = tuple  # a path into the NNX graph, e.g. ("layers", 0, "self_attn", "q_proj")
 _SHARD_BYTES = 4 * 1024**3
@@ -321,6 +321,9 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[in
             write_all(fd, data)
             crc = zlib.crc32(data, crc)
         os.fsync(fd)
+    except OSError as e:
+        name_file(e, path)
+        raise
     finally:
         os.close(fd)
     return crc

@@ -1,19 +1,29 @@
 """``satjax export`` and ``satjax eval`` refuse published weights that are not the bytes
-that were published (one line naming the version and the file, exit 1, nothing written).
-Real publishes (ShardedPublisher)."""
+that were published (one line naming the version and the file, exit 1, nothing written),
+and a full weights disk ends the run with a line that names the disk, ``LATEST`` on a
+complete version and no staging left behind. Real publishes (ShardedPublisher)."""
 
+import errno
+import json
 import os
 import shutil
+import subprocess
 
 import jax
 import pytest
 from flax import nnx
 
 from satjax import parallel
-from satjax.app.commands import evaluate, export
+from satjax.app.commands import evaluate, export, next_step
 from satjax.model import Qwen3MoeForCausalLM
 from satjax.train.publish import ShardedPublisher
-from satjax.weight_sync import WeightPublisher
+from satjax.weight_sync import (
+    WeightPublisher,
+    WeightSubscriber,
+    WeightSyncError,
+    published_versions,
+    verify_files,
+)
 
 CANARY = [1, 5, 9, 2]
 
@@ -112,3 +122,50 @@ def test_a_bit_flip_in_a_keyframe_is_refused_by_eval_and_the_good_chain_exports(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"satjax eval: error: version 0: {file}: checksum crc32:")
     assert err.count("\n") == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs (needs mount rights: root or a user namespace)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_weights_disk_names_the_disk_and_keeps_latest_on_a_complete_version(
+        small_disk):
+    run = small_disk / "run"
+    weights = run / "weights"
+    (run / "checkpoints" / "3").mkdir(parents=True)  # a run that can be resumed
+    model = tiny_model()
+    pub = publisher(weights, keyframe_every=1)
+    pub.publish(model, 0)
+    pub.wait()
+    size = sum(f.stat().st_size for f in (weights / "v00000000").iterdir())
+    stat = os.statvfs(small_disk)
+    room = stat.f_bavail * stat.f_frsize
+    assert room > size, "the tmpfs must hold a second version but half"
+    filler = small_disk / "filler"
+    filler.write_bytes(bytes(room - size // 2))  # version 1 fails half way through
+    pub.publish(model, 1)
+    with pytest.raises(WeightSyncError) as e:
+        pub.wait()
+    line = next_step(str(run), e.value)
+    assert line.startswith(f"fix the cause ({os.strerror(errno.ENOSPC)}: {weights}/"), line
+    assert line.endswith(f"then continue with: satjax train --set run_dir={run} --resume")
+    sub = WeightSubscriber(weights)
+    assert sub.latest_version() == 0 and published_versions(weights) == [0]
+    verify_files(sub.chain(0)[0])  # the version LATEST names is whole
+    assert sorted(p.name for p in weights.iterdir()) == ["LATEST", "v00000000"]  # no staging
+    # once there is room, the next publish goes through (a full version)
+    filler.unlink()
+    pub.publish(model, 2)
+    pub.wait()
+    assert sub.latest_version() == 2 and sub.manifest(2)["kind"] == "full"
+    assert json.loads((weights / "v00000002" / "manifest.json").read_text())["digests"]
