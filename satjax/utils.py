@@ -47,6 +47,13 @@ def writev_all(fd: int, buffers: Sequence[bytes | memoryview]) -> None:
                 views[i], n = views[i][n:], 0
 
 
+def name_file(error: OSError, path: str | os.PathLike[str]) -> None:
+    """Makes ``error`` name ``path`` if it names no file (``os.write`` on a descriptor, say),
+    so that a full disk's error says which disk."""
+    if error.filename is None:
+        error.filename = os.fspath(path)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool = True,
                  mode: int = 0o644) -> None:
     """Replaces ``path`` by ``data`` so that a crash leaves either the old or the new file.
@@ -63,6 +70,10 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool
         write_all(fd, data)
         if fsync:
             os.fsync(fd)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        name_file(e, path)
+        raise
     finally:
         os.close(fd)
     os.replace(tmp, path)

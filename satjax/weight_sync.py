@@ -28,7 +28,9 @@ stored as a ``uint8`` tensor of that name in ``delta-0000i-of-0000N.safetensors`
 (no ``config.json``: a delta is not a checkpoint). The manifest says which::
 
     {"version": 12, "id": "<uuid>", "kind": "delta", "base": 11, "base_id": "<uuid of 11>",
-     "files": {"delta-00001-of-00004.safetensors": 123456, ...}, "canary": {...}}
+     "files": {"delta-00001-of-00004.safetensors": 123456, ...},
+     "digests": {"delta-00001-of-00004.safetensors": "crc32:8d3f01a2", ...},
+     "canary": {...}}
 
 ``id`` names one publish, so that a delta is applied only to the very bytes it was made
 against (a restarted trainer publishes the same version numbers again). A reader follows
@@ -36,6 +38,13 @@ against (a restarted trainer publishes the same version numbers again). A reader
 copy (:class:`WeightMirror`) along them; the publisher keeps every version on the chains
 of the versions it keeps. The canary of the version reached is checked after every
 reconstruction, so a wrong delta fails like a wrong checkpoint.
+
+**Checksums.** ``digests`` holds the CRC-32 of every file's bytes (:func:`file_digest`),
+which readers check before they use a version (:func:`verify_files`: the worker, ``satjax
+export`` and ``eval``): the canary reads only the few tensors its tokens touch, so a bit
+flipped in, say, the embedding row of another token would otherwise be served and
+exported. CRC-32 finds every 1- to 3-bit error and any burst of up to 32 bits, at ~4 GB/s
+(zlib's, which releases the GIL); the threat is damage, not an adversary.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import os
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,10 +75,32 @@ DELTA_PREFIX = "delta-"  # delta files: delta-00001-of-00004.safetensors
 # default 3 and a little faster; negative (faster) levels lose much of the ratio
 DELTA_LEVEL = 1
 APPLY_THREADS = 8  # tensors a reader decompresses and XORs at once (zstd releases the GIL)
+DIGEST_CHUNK = 8 << 20  # bytes :func:`file_digest` reads at a time
 
 
 class WeightSyncError(RuntimeError):
-    """A published version is missing, incomplete, or fails its canary check."""
+    """A published version is missing, incomplete, damaged, or fails its canary check."""
+
+
+class ForeignModelError(WeightSyncError):
+    """A published version is of another model than the run's: unlike a damaged version,
+    which a newer one replaces, every later version will be the same."""
+
+
+def crc32_digest(crc: int) -> str:
+    """How a manifest writes the CRC-32 of a file (``zlib.crc32`` of all its bytes)."""
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The digest of the file ``path`` as a manifest's ``digests`` hold it."""
+    crc = 0
+    buf = bytearray(DIGEST_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc32_digest(crc)
 
 
 class WeightPublisher:
@@ -89,7 +121,7 @@ class WeightPublisher:
     def publish(
         self,
         version: int,
-        write_checkpoint: Callable[[Path], None],
+        write_checkpoint: Callable[[Path], dict[str, str] | None],
         *,
         canary: dict[str, Any] | None = None,
         target_version: int | None = None,
@@ -97,7 +129,9 @@ class WeightPublisher:
         base: int | None = None,
     ) -> Path:
         """Publishes ``version``. ``write_checkpoint(dir)`` writes the weights into ``dir``
-        (normally ``lambda d: save_pretrained(model, d)``; for a delta, the delta files).
+        (normally ``lambda d: save_pretrained(model, d)``; for a delta, the delta files) and
+        may return the :func:`file_digest` of files it hashed as it wrote them; the others
+        are read back to hash them.
         ``canary`` holds ``{"tokens": [...], "logprobs": [...]}`` computed by the trainer
         at this version. ``base``: the published version this one is a delta of (None: a
         full version); raises :class:`WeightSyncError` if it is not published.
@@ -118,9 +152,11 @@ class WeightPublisher:
                                           f"got {base}")
                 manifest.update(kind=DELTA, base=int(base),
                                 base_id=WeightSubscriber(self.sync_dir).manifest(base)["id"])
-            write_checkpoint(tmp)
+            known = write_checkpoint(tmp) or {}
             files = sorted(f for f in tmp.iterdir() if not f.name.startswith("."))
             manifest.update(files={f.name: f.stat().st_size for f in files},
+                            digests={f.name: known.get(f.name) or file_digest(f)
+                                     for f in files},
                             published_unix=time.time(), canary=canary)
             atomic_write(tmp / MANIFEST, json.dumps(manifest))
             for f in tmp.iterdir():
@@ -241,7 +277,8 @@ class WeightSubscriber:
     def checkpoint_dir(self, version: int) -> Path:
         path = version_dir(self.sync_dir, version)
         if not (path / MANIFEST).exists():
-            raise WeightSyncError(f"version {version} is not published in {self.sync_dir}")
+            raise WeightSyncError(f"version {version} is not published: {path} has no "
+                                  f"{MANIFEST}")
         return path
 
     def manifest(self, version: int) -> dict[str, Any]:
@@ -290,7 +327,7 @@ class WeightSubscriber:
         diff = [f"{k}={got.get(k)!r} (the run's: {v!r})"
                 for k, v in self.architecture.items() if got.get(k) != v]
         if diff:
-            raise WeightSyncError(f"version {full.version} in {full.path} is not the run's "
+            raise ForeignModelError(f"version {full.version} in {full.path} is not the run's "
                                   f"model: its config.json has {', '.join(diff)}")
 
     def wait_for(self, version: int, timeout: float = 60.0, poll: float = 0.05) -> Path:
@@ -306,7 +343,13 @@ class WeightSubscriber:
 
 def read_manifest(path: Path, version: int | None = None) -> dict[str, Any]:
     """The manifest of the version directory ``path`` (checked to be ``version``'s)."""
-    data = json.loads((Path(path) / MANIFEST).read_text())
+    file = Path(path) / MANIFEST
+    try:
+        data = json.loads(file.read_bytes())
+    except ValueError as e:  # not JSON, not UTF-8: damaged
+        raise WeightSyncError(f"{file}: damaged manifest ({e})") from e
+    if not isinstance(data, dict):
+        raise WeightSyncError(f"{file}: damaged manifest (not a JSON object)")
     if version is not None and data.get("version") != version:
         raise WeightSyncError(f"manifest of {path} says version {data.get('version')}, "
                               f"expected {version}")
@@ -327,6 +370,27 @@ def version_complete(path: Path, manifest: dict[str, Any]) -> bool:
         shards = set(json.loads(index.read_text())["weight_map"].values())
         return all((path / name).is_file() for name in shards)
     return (path / "model.safetensors").is_file()
+
+
+def verify_files(published: Published) -> None:
+    """Raises :class:`WeightSyncError` naming the version and the file if a file of
+    ``published`` is missing, not the size or not the :func:`file_digest` its manifest
+    records (a version without ``digests``, from an older publisher, is not checked)."""
+    sizes = published.manifest.get("files", {})
+    for name, want in published.manifest.get("digests", {}).items():
+        path = published.path / name
+        try:
+            size = path.stat().st_size
+            got = file_digest(path) if size == sizes.get(name, size) else None
+        except OSError as e:
+            raise WeightSyncError(f"version {published.version}: {path}: cannot be read "
+                                  f"({e.strerror})") from e
+        if got is None:
+            raise WeightSyncError(f"version {published.version}: {path}: {size} bytes, "
+                                  f"published with {sizes[name]} (cut short or overwritten)")
+        if got != want:
+            raise WeightSyncError(f"version {published.version}: {path}: checksum {got}, "
+                                  f"published with {want} (damaged since it was published)")
 
 
 def delta_file_name(shard_file: str) -> str:

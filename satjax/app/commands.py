@@ -76,6 +76,14 @@ def load(p: argparse.ArgumentParser, args: argparse.Namespace) -> Config:
     return cfg
 
 
+def damaged(p: argparse.ArgumentParser, error: BaseException) -> int:
+    """Ends a command that found published weights it cannot read (a damaged or cut-short
+    file, a base version gone): exit code 1 and one line naming the version and the file,
+    not a traceback. Nothing was written."""
+    print(f"{p.prog}: error: {error}", file=sys.stderr)
+    return 1
+
+
 def check_resources(cfg: Config) -> None:
     """What ``load_config`` cannot check without looking outside the config: the paths it
     names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
@@ -508,6 +516,18 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
 ENVIRONMENT_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
+def environment_cause(error: BaseException | None) -> OSError | None:
+    """The OSError of :data:`ENVIRONMENT_ERRNOS` that ``error`` is or was raised from (a
+    full disk reaches the trainer inside a ``WeightSyncError`` of the publish), if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def next_step(run_dir: str, error: BaseException | None) -> str:
     """What to do after a start of ``satjax train`` that ended early (``error``: why; None:
     interrupted). ``--resume`` is suggested only where it can help: the run has a
@@ -517,8 +537,9 @@ def next_step(run_dir: str, error: BaseException | None) -> str:
     from satjax.app.run import QueueUnreachableError
 
     fix = ""
-    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
-        fix = f"fix the cause ({error.strerror}: {error.filename or 'see above'}), then "
+    cause = environment_cause(error)
+    if cause is not None:
+        fix = f"fix the cause ({cause.strerror}: {cause.filename or 'see above'}), then "
     elif isinstance(error, QueueUnreachableError):
         fix = "start the queue (or set queue.address to where it runs), then "
     dirs = RunDirs(run_dir)
@@ -590,7 +611,7 @@ def evaluate(argv: list[str]) -> int:
     for flag, value in (("--k", args.k), ("--num-prompts", args.num_prompts)):
         if value is not None and value < 1:
             fail(p, f"{flag}: must be >= 1, got {value!r}")
-    from satjax.weight_sync import WeightSubscriber
+    from satjax.weight_sync import WeightSubscriber, WeightSyncError
 
     path = args.model
     sub = WeightSubscriber(RunDirs(cfg.run_dir).weights)
@@ -615,8 +636,11 @@ def evaluate(argv: list[str]) -> int:
         task = build_task(cfg, tok)
     except ConfigError as e:
         fail(p, str(e))
-    # the latest version may be a delta: rebuilt from its keyframe
-    model = from_pretrained(path) if latest is None else published_model(sub, latest)
+    try:
+        # the latest version may be a delta: rebuilt from its keyframe
+        model = from_pretrained(path) if latest is None else published_model(sub, latest)
+    except (WeightSyncError, OSError) as e:
+        return damaged(p, e)
     result = run_eval(
         model, task, tok,
         num_prompts=args.num_prompts or cfg.eval.num_prompts, k=args.k or cfg.eval.k,
@@ -659,7 +683,10 @@ def export(argv: list[str]) -> int:
     from satjax.model import save_pretrained
     from satjax.rollout.builtin_engine import published_model
 
-    model = published_model(sub, version)  # float32, canary-checked
+    try:
+        model = published_model(sub, version)  # float32, checksum- and canary-checked
+    except (WeightSyncError, OSError) as e:
+        return damaged(p, e)
     save_pretrained(model, args.out, tokenizer=build_tokenizer(cfg))
     print(f"wrote version {version} to {args.out} (a Hugging Face model: "
           "AutoModelForCausalLM.from_pretrained / vllm serve load it)")

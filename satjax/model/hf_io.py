@@ -13,6 +13,7 @@ import glob
 import json
 import math
 import os
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from safetensors import safe_open
 
 from satjax.model.config import Qwen3MoeConfig
 from satjax.model.transformer import Qwen3MoeForCausalLM
-from satjax.utils import atomic_write, write_all
+from satjax.utils import atomic_write, name_file, write_all
 
 Path = tuple  # a path into the NNX graph, e.g. ("layers", 0, "self_attn", "q_proj")
 _SHARD_BYTES = 4 * 1024**3
@@ -288,7 +289,9 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[in
     called in turn and its bytes written, so a file never needs all its tensors in memory
     at once (the format: 8-byte little-endian header size, a JSON header of
     ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, then the raw data).
-    Returns the bytes of tensor data written.
+    Returns the CRC-32 of the file's bytes (``zlib.crc32``), computed from the bytes as they
+    are written: a published version records it so that readers find damage without the
+    writer reading the file back.
     """
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -305,18 +308,25 @@ def write_safetensors(path: str, tensors: Sequence[tuple[str, np.dtype, tuple[in
     head += b" " * (-len(head) % 8)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, len(head).to_bytes(8, "little") + head)
+        first = len(head).to_bytes(8, "little") + head
+        write_all(fd, first)
+        crc = zlib.crc32(first)
         for name, dtype, shape, produce in tensors:
             value = np.ascontiguousarray(produce())
             if value.dtype != np.dtype(dtype) or tuple(value.shape) != tuple(shape):
                 raise ValueError(f"tensor {name!r}: produced {value.dtype}{value.shape}, "
                                  f"declared {np.dtype(dtype)}{tuple(shape)}")
             # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
-            write_all(fd, memoryview(value.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            data = memoryview(value.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            write_all(fd, data)
+            crc = zlib.crc32(data, crc)
         os.fsync(fd)
+    except OSError as e:
+        name_file(e, path)
+        raise
     finally:
         os.close(fd)
-    return offset
+    return crc
 
 
 def write_index(path: str, weight_map: dict[str, str], total_size: int) -> None:

@@ -27,7 +27,7 @@ from satjax.model import DTYPES, Qwen3MoeForCausalLM, canary_logprobs, from_pret
 from satjax.model.hf_io import numpy_dtype, set_hf_tensors
 from satjax.model.sampling import Generation, Samples
 from satjax.rollout.engine import Completion, SamplingParams, Sync
-from satjax.weight_sync import WeightMirror, WeightSubscriber, check_canary
+from satjax.weight_sync import WeightMirror, WeightSubscriber, check_canary, verify_files
 
 # Tokens decoded between two checks for new weights under ``rollout.partial``: each check
 # is a host round trip, and a version published mid-segment waits at most this long.
@@ -101,9 +101,13 @@ class BuiltinEngine:
 
 def published_model(subscriber: WeightSubscriber, version: int) -> Qwen3MoeForCausalLM:
     """The float32 model of published ``version``: its full version, or rebuilt from the
-    keyframe of its chain and the deltas after it; canary-checked."""
+    keyframe of its chain and the deltas after it; every file checked against its
+    published checksum first, the canary after. Raises :class:`WeightSyncError` (a
+    damaged file: naming the version and the file) or ``OSError``."""
     engine = BuiltinEngine("float32")
     steps = subscriber.sync_plan(version, None)
+    for step in steps:
+        verify_files(step)
     engine.load(steps[0].path, steps[0].version)
     if len(steps) > 1:
         engine.apply_deltas([s.path for s in steps[1:]], version)

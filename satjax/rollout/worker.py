@@ -5,9 +5,10 @@ Trajectory stamped with the engine's policy version -> queue ``put``.
 
 The worker honours the queue's backpressure (``should_pause``), follows the trainer's
 published weights (``WeightSubscriber``: the deltas after the version it serves when it
-can, else the newest full version and the deltas after it; canary-checked), and on
-SIGTERM finishes and puts the groups it is working on before exiting, so no finished
-trajectory is lost.
+can, else the newest full version and the deltas after it; checksum- and canary-checked;
+a version it cannot load is refused, and it goes on serving the one it has until the next
+loads), and on SIGTERM finishes and puts the groups it is working on before exiting, so no
+finished trajectory is lost.
 
 Each group is put on its own as soon as it is scored (a put is one durable write on the
 queue's side, all of the group or nothing), so a worker that disappears (kill -9, a lost
@@ -66,9 +67,11 @@ from satjax.queue.protocol import PutResult
 from satjax.rollout.engine import Completion, Engine, SamplingParams, Sync
 from satjax.trajectory import Trajectory
 from satjax.weight_sync import (
+    ForeignModelError,
     WeightSubscriber,
     WeightSyncError,
     check_canary,
+    verify_files,
     version_complete,
 )
 
@@ -245,6 +248,7 @@ class RolloutWorker:
         # (version, manifest id) the engine serves, when this worker loaded it: the base
         # that deltas can be applied to
         self._served: tuple[int, str | None] | None = None
+        self.refused: int | None = None  # the last version refused (maybe_sync)
         self.produced = 0
 
     # -- weights -------------------------------------------------------------------
@@ -252,14 +256,36 @@ class RolloutWorker:
         """Loads the version the trainer wants served, if it differs; True if loaded.
 
         From the version served, the deltas up to it when that version is on its chain;
-        else its chain's full version, then the deltas. The canary of the version reached
-        is checked in either case."""
+        else its chain's full version, then the deltas. Every file read is checked against
+        its published checksum before the engine is touched, and the canary of the version
+        reached after.
+
+        A version that cannot be loaded (a damaged or cut-short file, a base gone, files
+        still missing after ``FILES_WAIT_S``, a wrong canary) is refused: logged, never
+        tried again, and the worker goes on serving the version it holds (if the engine
+        was already changed, nothing until a newer version loads) and loads the next one
+        the trainer publishes. None of its trajectories is stamped with the refused
+        version. Weights of another model stop the worker instead
+        (:class:`ForeignModelError`): every later version would be refused the same way."""
         wanted = self.subscriber.wanted_version()
         while wanted is None and wait and not self.stop_event.is_set():
             time.sleep(self.cfg.pause_poll_s)
             wanted = self.subscriber.wanted_version()
-        if wanted is None or wanted == self.engine.version:
+        if wanted is None or wanted in (self.engine.version, self.refused):
             return False
+        try:
+            return self._load(wanted)
+        except ForeignModelError:
+            raise
+        except (WeightSyncError, OSError) as e:
+            self.refused = wanted
+            held = "nothing" if self.engine.version is None else f"version {self.engine.version}"
+            log.error("worker %s refused version %d: %s; serving %s until a newer version "
+                      "loads", self.cfg.worker_id, wanted, e, held)
+            return False
+
+    def _load(self, wanted: int) -> bool:
+        """:meth:`maybe_sync`'s load of ``wanted``; False if stopped while waiting."""
         self.subscriber.wait_for(wanted)
         served = self._served if self._served and self._served[0] == self.engine.version \
             else None
@@ -273,22 +299,30 @@ class RolloutWorker:
                         f"{FILES_WAIT_S:.0f}s after its manifest appeared")
                 if self.stop_event.wait(self.cfg.pause_poll_s):
                     return False
-        self._served = None  # until the engine holds a whole, checked version again
+        for step in steps:  # before the engine is touched: it keeps serving what it has
+            verify_files(step)
         if not steps[0].is_delta:
             # weights of another model (another run's, another shape) are never served
             self.subscriber.check_architecture(steps[0])
-            self.engine.load(steps[0].path, steps[0].version)
-        deltas = [s.path for s in steps if s.is_delta]
-        if deltas:
-            self.engine.apply_deltas(deltas, wanted)
+        self._served = None  # until the engine holds a whole, checked version again
         manifest = steps[-1].manifest
         canary = manifest.get("canary")
         err = 0.0
-        if canary:
-            err = check_canary(
-                manifest, self.engine.canary_logprobs(list(canary["tokens"])),
-                atol=self.engine.canary_atol,
-            )
+        try:
+            if not steps[0].is_delta:
+                self.engine.load(steps[0].path, steps[0].version)
+            deltas = [s.path for s in steps if s.is_delta]
+            if deltas:
+                self.engine.apply_deltas(deltas, wanted)
+            if canary:
+                err = check_canary(
+                    manifest, self.engine.canary_logprobs(list(canary["tokens"])),
+                    atol=self.engine.canary_atol,
+                )
+        except BaseException:
+            # it may hold part of a version, or one that failed its canary: nothing to serve
+            self.engine.version = None
+            raise
         log.info("worker %s loaded v%d (read %s; canary err %.2e)", self.cfg.worker_id,
                  wanted, ", ".join(f"v{s.version} {'delta' if s.is_delta else 'full'}"
                                    for s in steps), err)
@@ -354,6 +388,9 @@ class RolloutWorker:
         cfg = self.cfg
         while not self.stop_event.is_set() and (max_batches is None or done < max_batches):
             self.maybe_sync()
+            if self.engine.version is None:  # a refused version left nothing to serve
+                self.stop_event.wait(cfg.pause_poll_s)
+                continue
             decision = self._queue_call(
                 "should_pause",
                 functools.partial(self.client.should_pause, int(self.engine.version or 0)),

@@ -71,6 +71,7 @@ from satjax.utils import atomic_write
 from satjax.weight_sync import (
     WeightPublisher,
     WeightSyncError,
+    crc32_digest,
     delta_file_name,
     encode_delta,
 )
@@ -246,43 +247,44 @@ def snapshot(params: dict[tuple, jax.Array], plan: PublishPlan, process: int,
 
 
 def write_process_files(staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
-                        process: int, *, threads: int = WRITE_THREADS) -> list[str]:
-    """Writes (fsynced) the files ``process`` owns into ``staging``; returns their names."""
+                        process: int, *, threads: int = WRITE_THREADS) -> dict[str, str]:
+    """Writes (fsynced) the files ``process`` owns into ``staging``; returns their names
+    with their digests (:func:`~satjax.weight_sync.file_digest`)."""
     mine = [(fname, names) for fname, p, names in plan.files if p == process]
 
-    def write(job: tuple[str, tuple[str, ...]]) -> str:
+    def write(job: tuple[str, tuple[str, ...]]) -> tuple[str, str]:
         fname, names = job
         # mypy cannot infer a lambda with a default argument for a Callable[[], ...]
-        write_safetensors(str(staging / fname), [
+        crc = write_safetensors(str(staging / fname), [
             (n, plan.shapes[n][1], plan.shapes[n][0], lambda n=n: host[n])  # type: ignore[misc]
             for n in names])
-        return fname
+        return fname, crc32_digest(crc)
 
     with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
-        return list(pool.map(write, mine))
+        return dict(pool.map(write, mine))
 
 
 def write_process_deltas(staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
                          prev: dict[str, np.ndarray], process: int, *,
-                         threads: int = WRITE_THREADS) -> list[str]:
+                         threads: int = WRITE_THREADS) -> dict[str, str]:
     """Writes (fsynced) the delta files of the tensors ``process`` owns into ``staging``;
-    returns their names. For each file of the plan, :func:`~satjax.weight_sync.delta_file_name`
-    of it holds, for every tensor of that file whose bytes changed from ``prev`` to
-    ``host``, :func:`~satjax.weight_sync.encode_delta` as a ``uint8`` tensor of the same
-    name (a file may hold none)."""
+    returns their names with their digests. For each file of the plan,
+    :func:`~satjax.weight_sync.delta_file_name` of it holds, for every tensor of that file
+    whose bytes changed from ``prev`` to ``host``, :func:`~satjax.weight_sync.encode_delta`
+    as a ``uint8`` tensor of the same name (a file may hold none)."""
     mine = [(delta_file_name(fname), names) for fname, p, names in plan.files if p == process]
 
-    def write(job: tuple[str, tuple[str, ...]]) -> str:
+    def write(job: tuple[str, tuple[str, ...]]) -> tuple[str, str]:
         fname, names = job
         deltas = [(n, encode_delta(host[n], prev[n])) for n in names]
         # mypy cannot infer a lambda with a default argument for a Callable[[], ...]
-        write_safetensors(str(staging / fname), [
+        crc = write_safetensors(str(staging / fname), [
             (n, np.dtype(np.uint8), (len(d),), lambda d=d: np.frombuffer(d, np.uint8))  # type: ignore[misc]
             for n, d in deltas if d is not None])
-        return fname
+        return fname, crc32_digest(crc)
 
     with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
-        return list(pool.map(write, mine))
+        return dict(pool.map(write, mine))
 
 
 def _marker(staging: Path, kind: str, process: int) -> Path:
@@ -290,12 +292,14 @@ def _marker(staging: Path, kind: str, process: int) -> Path:
 
 
 def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIMEOUT_S, *,
-                   base: int | None = None) -> None:
+                   base: int | None = None) -> dict[str, str]:
     """Process 0: blocks until every other process marked its files done in ``staging``;
-    raises :class:`WeightSyncError` if one failed, wrote against another ``base`` (a delta
-    of that version; None: full files) or ``timeout`` passed."""
+    returns the digests of their files. Raises :class:`WeightSyncError` if one failed,
+    wrote against another ``base`` (a delta of that version; None: full files) or
+    ``timeout`` passed."""
     deadline = time.monotonic() + timeout
     waiting = set(range(1, process_count))
+    digests: dict[str, str] = {}
     while waiting:
         for p in sorted(waiting):
             failed = _marker(staging, "failed", p)
@@ -304,10 +308,12 @@ def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIME
                                       f"{failed.read_text()}")
             done = _marker(staging, "done", p)
             if done.exists():
-                theirs = json.loads(done.read_text())["base"]
+                marker = json.loads(done.read_text())
+                theirs = marker["base"]
                 if theirs != base:
                     raise WeightSyncError(
                         f"process {p} wrote {_what(theirs)}, process 0 {_what(base)}")
+                digests.update(marker["files"])
                 waiting.discard(p)
         if waiting and time.monotonic() > deadline:
             raise WeightSyncError(f"processes {sorted(waiting)} did not write their weight "
@@ -316,6 +322,7 @@ def wait_for_peers(staging: Path, process_count: int, timeout: float = PEER_TIME
             time.sleep(0.02)
     for p in range(1, process_count):
         _marker(staging, "done", p).unlink()
+    return digests
 
 
 def _what(base: int | None) -> str:
@@ -469,12 +476,13 @@ class ShardedPublisher:
                 self._commit(c, version, staging, host, prev, canary, target_version, base)
             else:
                 try:
-                    self.last_files = self._write(staging, c.plan, host, prev, base)
+                    digests = self._write(staging, c.plan, host, prev, base)
                 except BaseException as e:
                     atomic_write(_marker(staging, "failed", self.process), repr(e))
                     raise
+                self.last_files = list(digests)
                 atomic_write(_marker(staging, "done", self.process),
-                             json.dumps({"files": self.last_files, "base": base}))
+                             json.dumps({"files": digests, "base": base}))
             self._last = version
             self._deltas = 0 if base is None else self._deltas + 1
         except BaseException as e:  # surfaces on the next publish() / wait()
@@ -483,8 +491,9 @@ class ShardedPublisher:
         self.last_seconds = time.perf_counter() - t0
 
     def _write(self, staging: Path, plan: PublishPlan, host: dict[str, np.ndarray],
-               prev: dict[str, np.ndarray] | None, base: int | None) -> list[str]:
-        """This process's files: full, or its deltas against ``prev`` (``base``'s)."""
+               prev: dict[str, np.ndarray] | None, base: int | None) -> dict[str, str]:
+        """This process's files (with their digests): full, or its deltas against ``prev``
+        (``base``'s)."""
         if base is None:
             return write_process_files(staging, plan, host, self.process)
         assert prev is not None, "a delta needs the previous version's host copy"
@@ -499,15 +508,17 @@ class ShardedPublisher:
         dtypes = {d for _, d in plan.shapes.values()}
         dtype = dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float32)
 
-        def write(d: Path) -> None:
-            self.last_files = self._write(d, plan, host, prev, base)
-            wait_for_peers(d, self.process_count, base=base)
+        def write(d: Path) -> dict[str, str]:
+            digests = self._write(d, plan, host, prev, base)
+            self.last_files = list(digests)
+            digests.update(wait_for_peers(d, self.process_count, base=base))
             if base is None:  # a full version is a complete HF checkpoint
                 atomic_write(d / "config.json", json.dumps(
                     hf_config(c.config, dtype), indent=2, sort_keys=True))
                 write_index(str(d), plan.weight_map, plan.total_bytes)
                 # generation config and tokenizer: a version directory loads as it is
                 write_model_files(d, c.config, self.tokenizer)
+            return digests  # the small files are hashed by the publisher
 
         self.publisher.publish(
             version, write, staging=staging, target_version=target_version, base=base,

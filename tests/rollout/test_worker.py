@@ -1,5 +1,7 @@
 """The built-in rollout worker end to end through a real in-process queue server."""
 
+import json
+import logging
 import shutil
 
 import jax
@@ -24,7 +26,7 @@ from satjax.queue.server import QueueServer
 from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import GroupSampler, RolloutWorker, WorkerConfig
-from satjax.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
+from satjax.weight_sync import WeightPublisher, WeightSubscriber
 
 TOKEN = "worker-test-token"
 
@@ -96,7 +98,7 @@ def jax_log_softmax(x):
 
 
 @pytest.mark.slow
-def test_canary_catches_wrong_weights(tmp_path, queue):
+def test_canary_catches_wrong_weights(tmp_path, queue, caplog):
     """Weights that do not reproduce the trainer's canary are refused, not served."""
     tok = CharTokenizer()
     pub = WeightPublisher(tmp_path / "weights")
@@ -105,10 +107,14 @@ def test_canary_catches_wrong_weights(tmp_path, queue):
     # the manifest claims the canary of `good` but the files hold `other`
     pub.publish(0, lambda d: save_pretrained(other, str(d)),
                 canary={"tokens": canary, "logprobs": canary_logprobs(good, canary)})
-    worker = RolloutWorker(BuiltinEngine("float32"), ArithmeticTask(), tok, queue,
+    engine = BuiltinEngine("float32")
+    worker = RolloutWorker(engine, ArithmeticTask(), tok, queue,
                            WeightSubscriber(tmp_path / "weights"), iter([]), WorkerConfig())
-    with pytest.raises(WeightSyncError, match="canary failed"):
-        worker.maybe_sync()
+    with caplog.at_level(logging.ERROR, logger="satjax.rollout.worker"):
+        assert not worker.maybe_sync()
+    assert "refused version 0: weight sync canary failed for version 0" in caplog.text
+    # the engine holds the weights it was given, unchecked: the worker serves nothing
+    assert engine.version is None and worker.refused == 0
 
 
 @pytest.mark.slow
@@ -255,7 +261,7 @@ def test_builtin_worker_follows_delta_versions_bit_exactly(tmp_path):
     from satjax import parallel
     from satjax.model.hf_io import hf_state_dict
     from satjax.train.publish import ShardedPublisher
-    from satjax.weight_sync import read_raw_tensors
+    from satjax.weight_sync import MANIFEST, file_digest, read_raw_tensors
 
     tok = CharTokenizer()
     canary = [tok.bos_id, *tok.encode("3+4=7"), tok.eos_id]
@@ -305,13 +311,20 @@ def test_builtin_worker_follows_delta_versions_bit_exactly(tmp_path):
     flip[3::4] = 0x01  # the exponent's low bit of every float32 value
     first = sorted(sub.manifest(4)["files"])[0]
     shutil.copy(path / first, tmp_path / "good")
+    shutil.copy(path / MANIFEST, tmp_path / "good-manifest")
     save_file({name: np.frombuffer(zstandard.ZstdCompressor().compress(flip), np.uint8)},
               path / first)
-    with pytest.raises(WeightSyncError, match="canary failed for version 4"):
-        w.maybe_sync()
+    # published so (its checksum in the manifest): only the canary can tell
+    manifest = sub.manifest(4)
+    manifest["files"][first] = (path / first).stat().st_size
+    manifest["digests"][first] = file_digest(path / first)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert not w.maybe_sync() and w.refused == 4
+    assert engine.version is None  # it holds a wrong version: nothing is served
     # with the file repaired, the worker does not build on the weights it refused: it
     # rebuilds version 5 from the keyframe
     shutil.copy(tmp_path / "good", path / first)
+    shutil.copy(tmp_path / "good-manifest", path / MANIFEST)
     pub.publish(models[2], 5)
     pub.wait()
     engine.calls.clear()

@@ -199,9 +199,11 @@ def test_delta_versions_round_trip_bit_exactly_in_bf16(sharded, tmp_path):
 def test_processes_writing_against_different_bases_fail_the_publish(tmp_path):
     """Process 0 refuses to commit a version whose files were written against another
     base by some process (possible only after a failure that one process saw)."""
-    atomic_write(tmp_path / ".done-1", json.dumps({"files": ["x"], "base": 3}))
+    atomic_write(tmp_path / ".done-1", json.dumps({"files": {"x": "crc32:0000002a"},
+                                                   "base": 3}))
     with pytest.raises(WeightSyncError, match="process 1 wrote a delta of version 3, "
                                               "process 0 full files"):
         publish_mod.wait_for_peers(tmp_path, 2, timeout=1)
-    publish_mod.wait_for_peers(tmp_path, 2, timeout=1, base=3)
+    # the digests of its files go into the manifest process 0 writes
+    assert publish_mod.wait_for_peers(tmp_path, 2, timeout=1, base=3) == {"x": "crc32:0000002a"}
     assert not (tmp_path / ".done-1").exists()
