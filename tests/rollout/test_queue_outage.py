@@ -56,8 +56,10 @@ class FakeEngine:
 
 
 def _weights(tmp_path) -> WeightSubscriber:
-    WeightPublisher(tmp_path / "weights").publish(
-        0, lambda d: (d / "model.bin").write_bytes(b"w"))
+    def write(d):
+        (d / "model.bin").write_bytes(b"w")
+
+    WeightPublisher(tmp_path / "weights").publish(0, write)
     return WeightSubscriber(tmp_path / "weights")
 
 
