@@ -38,7 +38,11 @@ def test_version_names_round_trip_and_reject_others():
 
 def test_weight_sync_publishes_where_run_dirs_points(tmp_path):
     d = RunDirs(tmp_path)
-    WeightPublisher(d.weights).publish(3, lambda p: (p / "w").write_text("x"))
+
+    def write(p):  # returns nothing: publish hashes the file it finds
+        (p / "w").write_text("x")
+
+    WeightPublisher(d.weights).publish(3, write)
     assert (d.version(3) / "manifest.json").exists()
     assert WeightSubscriber(d.weights).checkpoint_dir(3) == d.version(3)
     assert published_versions(d.weights) == [3]
