@@ -175,19 +175,12 @@ def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry,
     return jax.lax.fori_loop(0, starts.shape[0], expert, carry)
 
 
-def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
-    """Sorted rows, per-expert chunked SwiGLU, unsort and combine; the residuals of the
-    backward when ``save``."""
-    n, k = experts.shape
-    num_experts, d, f = w_gate.shape
-    m = n * k
-    full, tail = _chunk_rows(m, num_experts)
-    order, inverse, sizes = _sort_pairs(experts, num_experts)
-    starts = jnp.cumsum(sizes) - sizes
-    # zero padding of one full chunk: a chunk's window never reaches past the end (where
-    # dynamic_slice would clamp it back over real rows)
-    xs = jnp.concatenate([x[order // k], jnp.zeros((full, d), x.dtype)])
-    rows = xs.shape[0]
+def _rows_forward(xs, starts, sizes, w_gate, w_up, w_down, chunks, *, save: bool):
+    """SwiGLU of sorted rows xs [R, D] (expert e's at ``[starts[e], starts[e] + sizes[e])``,
+    ``chunks[0]`` zero rows at the end) in chunks -> (ys, and when ``save`` the gate and
+    up activations the backward needs)."""
+    rows, d = xs.shape
+    f = w_gate.shape[-1]
 
     def body(e, lo, size, state):
         (ys, gs, us), _ = state
@@ -199,9 +192,53 @@ def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
             us = jax.lax.dynamic_update_slice_in_dim(us, u, lo, 0)
         return (ys, gs, us), None
 
-    hidden = (jnp.zeros((rows, f), x.dtype),) * 2 if save else (None, None)
-    ys, gs, us = _chunk_loop(starts, sizes, full, tail, body,
-                             (jnp.zeros((rows, d), x.dtype), *hidden))
+    hidden = (jnp.zeros((rows, f), xs.dtype),) * 2 if save else (None, None)
+    return _chunk_loop(starts, sizes, *chunks, body, (jnp.zeros((rows, d), xs.dtype), *hidden))
+
+
+def _rows_backward(xs, gs, us, dys, starts, sizes, w_gate, w_up, w_down, chunks):
+    """The backward of :func:`_rows_forward`: dys like xs -> (dxs, (dw_gate, dw_up, dw_down))."""
+    ends = starts + sizes
+
+    def body(e, lo, size, state):
+        (dxs, grads), (dwg, dwu, dwd) = state
+        own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
+        dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
+        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
+        g = jax.lax.dynamic_slice_in_dim(gs, lo, size)
+        u = jax.lax.dynamic_slice_in_dim(us, lo, size)
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        da = dyc @ w_down[e].T
+        dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
+        du = da * silu
+        dx = dg @ w_gate[e].T + du @ w_up[e].T
+        dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0)
+        return (dxs, grads), (dwg + xc.T @ dg, dwu + xc.T @ du, dwd + (silu * u).T @ dyc)
+
+    def flush(e, carry, acc):  # each expert's weight gradient, written once
+        dxs, grads = carry
+        return dxs, tuple(jax.lax.dynamic_update_index_in_dim(w, a, e, 0)
+                          for w, a in zip(grads, acc, strict=True))
+
+    ws = (w_gate, w_up, w_down)
+    return _chunk_loop(
+        starts, sizes, *chunks, body, (jnp.zeros_like(xs), tuple(map(jnp.zeros_like, ws))),
+        local=tuple(jnp.zeros(w.shape[1:], w.dtype) for w in ws), flush=flush)
+
+
+def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
+    """Sorted rows, per-expert chunked SwiGLU, unsort and combine; the residuals of the
+    backward when ``save``."""
+    n, k = experts.shape
+    num_experts, d, _ = w_gate.shape
+    chunks = _chunk_rows(n * k, num_experts)
+    order, inverse, sizes = _sort_pairs(experts, num_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    # zero padding of one full chunk: a chunk's window never reaches past the end (where
+    # dynamic_slice would clamp it back over real rows)
+    xs = jnp.concatenate([x[order // k], jnp.zeros((chunks[0], d), x.dtype)])
+    ys, gs, us = _rows_forward(xs, starts, sizes, w_gate, w_up, w_down, chunks, save=save)
     y = ys[inverse].reshape(n, k, d)  # row of pair (token i, slot j) at i * k + j
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
     return out, (xs, gs, us, y, order, inverse, sizes, starts)
@@ -227,39 +264,13 @@ def _grouped_fwd(x, experts, weights, w_gate, w_up, w_down):
 def _grouped_bwd(saved, dout):
     (xs, gs, us, y, order, inverse, sizes, starts), experts, weights, w_gate, w_up, w_down = saved
     n, k = experts.shape
-    num_experts, d, f = w_gate.shape
-    full, tail = _chunk_rows(n * k, num_experts)
+    chunks = _chunk_rows(n * k, w_gate.shape[0])
+    d = w_gate.shape[1]
     dweights = jnp.einsum("nkd,nd->nk", y, dout).astype(weights.dtype)
     dy = (dout[:, None, :] * weights[:, :, None].astype(dout.dtype)).reshape(n * k, d)
-    dys = jnp.concatenate([dy[order], jnp.zeros((full, d), dy.dtype)])
-    ends = starts + sizes
-
-    def body(e, lo, size, state):
-        (dxs, grads), (dwg, dwu, dwd) = state
-        own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
-        dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
-        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
-        g = jax.lax.dynamic_slice_in_dim(gs, lo, size)
-        u = jax.lax.dynamic_slice_in_dim(us, lo, size)
-        sig = jax.nn.sigmoid(g)
-        silu = g * sig
-        da = dyc @ w_down[e].T
-        dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        du = da * silu
-        dx = dg @ w_gate[e].T + du @ w_up[e].T
-        dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0)
-        return (dxs, grads), (dwg + xc.T @ dg, dwu + xc.T @ du, dwd + (silu * u).T @ dyc)
-
-    def flush(e, carry, acc):  # each expert's weight gradient, written once
-        dxs, grads = carry
-        return dxs, tuple(jax.lax.dynamic_update_index_in_dim(w, a, e, 0)
-                          for w, a in zip(grads, acc, strict=True))
-
-    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
-    dxs, (dwg, dwu, dwd) = _chunk_loop(
-        starts, sizes, full, tail, body, (jnp.zeros_like(xs), zeros),
-        local=tuple(jnp.zeros(w.shape[1:], w.dtype) for w in (w_gate, w_up, w_down)),
-        flush=flush)
+    dys = jnp.concatenate([dy[order], jnp.zeros((chunks[0], d), dy.dtype)])
+    dxs, (dwg, dwu, dwd) = _rows_backward(xs, gs, us, dys, starts, sizes, w_gate, w_up,
+                                          w_down, chunks)
     dx = jnp.sum(dxs[inverse].reshape(n, k, d), axis=1)
     return dx, np.zeros(experts.shape, jax.dtypes.float0), dweights, dwg, dwu, dwd
 
