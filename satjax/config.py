@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 Dtype = Literal["float32", "bfloat16"]
 # how the model computes (satjax/model: moe.py, attention.py, transformer.py read these)
-MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum"]
+MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum", "all_to_all"]
 AttentionImpl = Literal["auto", "reference", "blockwise", "cudnn", "splash"]
 Remat = Literal["none", "full", "dots"]
 FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
