@@ -11,7 +11,7 @@ the model's own gates of those experts (:func:`route`). The block reports the ro
 top-k (``router_topk``), what ran (``experts_used``) and with which gate weights in a
 :class:`RouteRecord`.
 
-Three dispatch implementations, all dropless (no capacity factor, no token is ever
+Four dispatch implementations, all dropless (no capacity factor, no token is ever
 dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
 
 * ``"grouped"``: sort the N*k token-expert pairs by expert, then run each expert's SwiGLU
@@ -26,11 +26,21 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
   (each device computes its experts, one all-reduce combines).
-* ``"auto"`` (default): "grouped" on CPU, "ragged" elsewhere.
+* ``"all_to_all"``: expert parallelism by a token exchange (:func:`expert_parallel`): the
+  expert weights stay sharded over ``expert`` and each device sends each of its (token,
+  expert) pairs to the device holding the expert (``jax.lax.ragged_all_to_all``; on
+  XLA:CPU, which lacks it, :func:`padded_ragged_all_to_all`), which runs its experts on
+  the rows it receives ("ragged" or "grouped" on pre-sorted rows) and sends the results
+  back. Dropless: the receive buffer has room for every pair of the expert axis.
+* ``"auto"`` (default): "grouped" on CPU; elsewhere "all_to_all" where that moves fewer
+  bytes per chip than all-gathering the experts (:func:`exchange_moves_fewer_bytes`: an
+  ``expert`` axis over 1 and fewer than about 16k tokens per device at the paper's
+  shape), else "ragged".
 
 Under a mesh, "grouped" and "ragged" run per batch shard (:func:`per_batch_shard`: each
-device sorts and dispatches its own tokens) against all-gathered expert weights (correct,
-not EP-optimal).
+device sorts and dispatches its own tokens) against all-gathered expert weights: every
+device receives every expert's weights per layer, and reduces their gradients, whatever
+its token count; "all_to_all" moves its tokens instead (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -320,14 +330,36 @@ def _grouped_rows_bwd(load, saved, dys):
 grouped_rows.defvjp(_grouped_rows_fwd, _grouped_rows_bwd)
 
 
-def resolve_moe_impl(moe_impl: str, platform: str | None = None) -> str:
-    """Map "auto" to the fastest dropless implementation on ``platform`` (default: JAX's
-    default backend)."""
+def resolve_moe_impl(moe_impl: str, platform: str | None = None, *,
+                     exchange_wins: bool = False) -> str:
+    """Map "auto" to the dropless implementation for ``platform`` (default: JAX's default
+    backend): "grouped" on CPU; elsewhere "all_to_all" where exchanging the tokens moves
+    fewer bytes than all-gathering the experts (``exchange_wins``:
+    :func:`exchange_moves_fewer_bytes` under the mesh), else "ragged"."""
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
-    if moe_impl == "auto":
-        return "grouped" if (platform or jax.default_backend()) == "cpu" else "ragged"
-    return moe_impl
+    if moe_impl != "auto":
+        return moe_impl
+    if (platform or jax.default_backend()) == "cpu":
+        return "grouped"
+    return "all_to_all" if exchange_wins else "ragged"
+
+
+def exchange_moves_fewer_bytes(tokens: int, k: int, num_experts: int, hidden: int,
+                               width: int, expert_devices: int, embed_devices: int) -> bool:
+    """Whether "all_to_all" moves fewer bytes per chip than all-gathering the experts, for
+    one layer's forward and backward with ``tokens`` on the device: four exchanges of its
+    tokens * k rows (there and back, each transposed in the backward), plus an all-gather
+    and a reduce-scatter of its own experts when ``embed_devices`` split them, against an
+    all-gather and a gradient all-reduce of all experts (both in the compute dtype). The
+    XLA:TPU figures of benchmarks/bench_moe_dispatch.py are these counts (docs/parallel.md):
+    at the paper's layer the exchange wins below 16128 tokens per device on
+    ``{fsdp: 8, expert: 8}`` (18432 without fsdp)."""
+    if expert_devices < 2 or num_experts % expert_devices:
+        return False
+    expert = 3 * hidden * width
+    own = 2 * num_experts // expert_devices * expert if embed_devices > 1 else 0
+    return 4 * tokens * k * hidden + own < 2 * num_experts * expert
 
 
 def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array,
@@ -588,8 +620,22 @@ class SparseMoeBlock(nnx.Module):
         # the backend the dispatch compiles for: JAX's default one, unless a program is
         # compiled for other devices (a TPU topology from a CPU host, for instance)
         self.platform = platform or jax.default_backend()
-        self.moe_impl = resolve_moe_impl(moe_impl, self.platform)
+        # "auto" stays unresolved here: under a mesh it depends on the expert axis
+        self.moe_impl = moe_impl if moe_impl == "auto" else resolve_moe_impl(moe_impl)
         self.dtype = dtype
+
+    def _exchange_wins(self, tokens: int) -> bool:
+        """:func:`exchange_moves_fewer_bytes` for ``tokens`` under the current mesh."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return False
+        e, d, f = self.experts.gate_proj.shape
+        batch = logical_to_spec(("batch",), (tokens,), mesh)
+        embed = logical_to_spec(("experts", "embed", "expert_mlp"), (e, d, f), mesh)
+        return exchange_moves_fewer_bytes(
+            tokens // math.prod(mesh.shape[a] for a in _mesh_axes(batch, 0)), self.top_k, e,
+            d, f, mesh.shape.get("expert", 1),
+            math.prod(mesh.shape[a] for a in _mesh_axes(embed, 1)))
 
     def __call__(self, x: Array, routed_experts: Array | None = None,
                  routed_gates: Array | None = None) -> tuple[Array, RouteRecord]:
@@ -604,7 +650,9 @@ class SparseMoeBlock(nnx.Module):
                     flat_k(routed_gates))
         weights = rec.weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
         params = (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
-        if self.moe_impl == "all_to_all":  # the weights stay sharded; the tokens travel
+        impl = resolve_moe_impl(self.moe_impl, self.platform,
+                                exchange_wins=self._exchange_wins(b * t))
+        if impl == "all_to_all":  # the weights stay sharded; the tokens travel
             cpu = self.platform == "cpu"  # XLA:CPU has no ragged-all-to-all
             dispatch = expert_parallel(self.dtype, kernel=resolve_moe_impl("auto", self.platform),
                                        exchange="padded" if cpu else "ragged")
@@ -613,10 +661,10 @@ class SparseMoeBlock(nnx.Module):
             # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
             # sharded weights without a full rematerialisation: all-gather them explicitly
             # (dense_einsum keeps them sharded over experts).
-            keep = ("experts", None, None) if self.moe_impl == "dense_einsum" else (None,) * 3
+            keep = ("experts", None, None) if impl == "dense_einsum" else (None,) * 3
             ws = [constrain(p[...].astype(self.dtype), keep) for p in params]
-            dispatch = _IMPLS[self.moe_impl]
-            if self.moe_impl != "dense_einsum":
+            dispatch = _IMPLS[impl]
+            if impl != "dense_einsum":
                 dispatch = per_batch_shard(in_token_chunks(dispatch), b * t)
         out = constrain(dispatch(flat, rec.experts_used, weights, *ws), ("batch", None))
         return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

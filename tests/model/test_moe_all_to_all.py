@@ -10,7 +10,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from satjax.model import Qwen3MoeConfig
-from satjax.model.moe import SparseMoeBlock, padded_ragged_all_to_all
+from satjax.model.moe import (
+    SparseMoeBlock,
+    exchange_moves_fewer_bytes,
+    padded_ragged_all_to_all,
+    resolve_moe_impl,
+)
 from satjax.parallel import MeshConfig, logical_to_spec, make_mesh, state_shardings
 
 B, T = 8, 6  # 48 tokens, 6 per device on the widest batch split
@@ -146,3 +151,22 @@ def test_experts_not_dividing_the_expert_axis_are_refused():
     with jax.set_mesh(make_mesh(MeshConfig(data=2, expert=4))), \
             pytest.raises(ValueError, match="6 experts do not divide over the expert axis of 4"):
         jax.eval_shape(lambda x: block(x)[0], x)
+
+
+def test_auto_exchanges_tokens_where_that_moves_fewer_bytes():
+    assert [resolve_moe_impl("auto", p) for p in ("cpu", "tpu", "gpu")] == [
+        "grouped", "ragged", "ragged"]
+    assert resolve_moe_impl("auto", "tpu", exchange_wins=True) == "all_to_all"
+    assert resolve_moe_impl("auto", "cpu", exchange_wins=True) == "grouped"
+    assert resolve_moe_impl("all_to_all", "cpu") == "all_to_all"
+    # the paper's layer (hidden 2048, 128 experts of width 768, top-8): the XLA:TPU counts
+    # of benchmarks/bench_moe_dispatch.py, 1024 MiB exchanged at 8192 tokens per device
+    # (+ 288 MiB for its own experts over fsdp 2) against 2304 MiB gathered and reduced
+    def wins(tokens, expert=8, fsdp=1, experts=128):
+        return exchange_moves_fewer_bytes(tokens, 8, experts, 2048, 768, expert, fsdp)
+
+    assert wins(8192) and wins(8192, expert=4, fsdp=2)
+    assert wins(18000) and not wins(18500)  # the crossover: 18432 tokens
+    assert wins(16000, fsdp=8) and not wins(16500, fsdp=8)  # 16128
+    assert not wins(33280, fsdp=8)  # the paper's 32k-token buckets
+    assert not wins(8192, expert=1) and not wins(8192, expert=3, experts=128)
