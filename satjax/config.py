@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 Dtype = Literal["float32", "bfloat16"]
 # how the model computes (satjax/model: moe.py, attention.py, transformer.py read these)
-MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum"]
+MoeImpl = Literal["auto", "grouped", "ragged", "dense_einsum", "all_to_all"]
 AttentionImpl = Literal["auto", "reference", "blockwise", "cudnn", "splash"]
 Remat = Literal["none", "full", "dots"]
 FsyncPolicy = Literal["always", "batch", "never"]  # see satjax/queue/store.py
@@ -94,7 +94,11 @@ class ModelConfig:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     param_dtype: Dtype = "float32"  # the master weights and the optimizer state
     dtype: Dtype = "float32"  # compute: activations and matmuls (bfloat16 on accelerators)
-    moe_impl: MoeImpl = "auto"  # expert dispatch; auto: grouped on CPU, ragged elsewhere
+    # expert dispatch (satjax/model/moe.py); all_to_all: expert parallelism by a token
+    # exchange; auto: grouped on CPU, elsewhere all_to_all where it moves fewer bytes than
+    # all-gathering the experts (an expert axis over 1, under ~16k tokens per device at
+    # Qwen3-30B-A3B's layer), else ragged
+    moe_impl: MoeImpl = "auto"
     # full-sequence attention; auto: splash (TPU), cudnn (GPU), reference or blockwise (CPU)
     attention: AttentionImpl = "auto"
     scan_layers: bool = False  # one lax.scan over the layers: compile time flat in depth

@@ -45,6 +45,7 @@ __all__ = [
     "make_mesh",
     "parse_topology",
     "state_shardings",
+    "target_platform",
     "topology_devices",
 ]
 
@@ -121,6 +122,16 @@ def topology_devices(topology: str) -> list[jax.Device]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"topology {topology!r}: {first}") from None
     return list(desc.devices)
+
+
+def target_platform() -> str:
+    """The platform the program being traced compiles for: the current mesh's devices'
+    (``jax.set_mesh``; a TPU topology's when compiling for one from a CPU host), else JAX's
+    default backend. Backend-dependent choices ("auto" attention and MoE dispatch) ask
+    this, so an ahead-of-time compile for other chips makes their choices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
 
 
 def _rule_table(rules: LogicalRules) -> dict[str, tuple[str, ...]]:

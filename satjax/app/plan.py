@@ -143,41 +143,33 @@ def _devices(args: argparse.Namespace, chips: int) -> list[Any]:
     return topology_devices(args.topology)
 
 
-def _for_target(cfg, platform: str, seq_len: int):
-    """The config with "auto" implementations resolved for the target, not this host."""
-    from satjax.model import DTYPES
-    from satjax.model.attention import resolve_attention
-    from satjax.model.moe import resolve_moe_impl
-
-    m = cfg.model
-    model = dataclasses.replace(
-        m, attention=resolve_attention(m.attention, seq_len, platform, dtype=DTYPES[m.dtype]),
-        moe_impl=resolve_moe_impl(m.moe_impl, platform))
-    return dataclasses.replace(cfg, model=model)
-
-
 def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
     import jax
 
     from satjax.app.hlo import collectives
     from satjax.config import max_sequence_tokens, train_buckets
     from satjax.factory import build_tokenizer, model_config
+    from satjax.model import DTYPES
+    from satjax.model.attention import resolve_attention
     from satjax.train.memory import StepMemory, compile_step
 
     chip = CHIPS[args.topology.partition(":")[0]]
     longest = max_sequence_tokens(cfg)
     seq_len = args.seq_len or min(b for b in train_buckets(cfg) if b >= longest)
-    cfg = _for_target(cfg, args.platform, seq_len)
     tiny = cfg.model.preset == "tiny" and not cfg.model.path
     mcfg = model_config(cfg, build_tokenizer(cfg) if tiny else None)
     devices = _devices(args, chips)
+    # "auto" choices follow the mesh's devices (satjax.parallel.target_platform): printed
+    # as the target resolves them, not as this host would
+    attention = resolve_attention(cfg.model.attention, seq_len, devices[0].platform,
+                                  dtype=DTYPES[cfg.model.dtype])
     compiler = (f"libtpu {_version('libtpu')} for {args.topology}" if args.platform == "tpu"
                 else f"XLA:CPU over {chips} emulated devices")
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     say(f"plan: {mcfg.num_hidden_layers} layers, {mcfg.num_experts} experts top-"
         f"{mcfg.num_experts_per_tok}; mesh {_mesh(cfg)}, {args.micro_batch} x {seq_len} "
         f"tokens per chip per micro-step, grad_accum {cfg.train.grad_accum}, remat "
-        f"{cfg.train.remat}, attention {cfg.model.attention}, moe {cfg.model.moe_impl}; "
+        f"{cfg.train.remat}, attention {attention}, moe {cfg.model.moe_impl}; "
         f"compiler {compiler} (jax {jax.__version__})")
 
     def compile_train(c) -> tuple[StepMemory, Any]:

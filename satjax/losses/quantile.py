@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from satjax.losses._checks import check_choice
+from satjax.parallel import target_platform
 
 Array = jax.Array
 
@@ -322,7 +323,7 @@ def masked_quantile(x: Array, q: float | Array, mask: Array | None = None, *,
     i1 = jnp.minimum(i0 + 1, last)
     filled = jnp.where(valid, flat, jnp.asarray(jnp.inf, dt))
     if algorithm == "auto":
-        if jax.default_backend() != "cpu":
+        if target_platform() != "cpu":  # the compile's target, not this host
             algorithm = "sort"
         else:
             algorithm = "select" if flat.size >= _RADIX_MIN_SIZE else "bisect"

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from satjax.config import AttentionImpl
-from satjax.parallel import logical_to_spec
+from satjax.parallel import logical_to_spec, target_platform
 
 Array = jax.Array
 ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
@@ -70,7 +70,8 @@ def resolve_attention(impl: str, seq_len: int, backend: str | None = None, *,
                       dtype: jnp.dtype | None = None, head_dim: int | None = None) -> str:
     """The implementation ``impl`` stands for at sequence length ``seq_len``.
 
-    ``"auto"`` resolves by backend (default ``jax.default_backend()``):
+    ``"auto"`` resolves by backend (default :func:`satjax.parallel.target_platform`: the
+    current mesh's devices', else JAX's default backend):
 
     * TPU: ``"splash"``.
     * GPU (CUDA): ``"cudnn"``, except where cuDNN's flash attention cannot run the call, then
@@ -86,7 +87,7 @@ def resolve_attention(impl: str, seq_len: int, backend: str | None = None, *,
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    backend = backend or jax.default_backend()
+    backend = backend or target_platform()
     if backend == "tpu":
         return "splash"
     if backend in ("gpu", "cuda"):

@@ -11,7 +11,7 @@ the model's own gates of those experts (:func:`route`). The block reports the ro
 top-k (``router_topk``), what ran (``experts_used``) and with which gate weights in a
 :class:`RouteRecord`.
 
-Three dispatch implementations, all dropless (no capacity factor, no token is ever
+Four dispatch implementations, all dropless (no capacity factor, no token is ever
 dropped), so replaying the model's own routes reproduces the non-replay forward exactly:
 
 * ``"grouped"``: sort the N*k token-expert pairs by expert, then run each expert's SwiGLU
@@ -26,16 +26,27 @@ dropped), so replaying the model's own routes reproduces the non-replay forward 
 * ``"dense_einsum"``: every expert runs on every token and a [N, E] combine matrix (zero
   for unselected experts) mixes the results; cost O(N*E) but shards cleanly over experts
   (each device computes its experts, one all-reduce combines).
-* ``"auto"`` (default): "grouped" on CPU, "ragged" elsewhere.
+* ``"all_to_all"``: expert parallelism by a token exchange (:func:`expert_parallel`): the
+  expert weights stay sharded over ``expert`` and each device sends each of its (token,
+  expert) pairs to the device holding the expert (``jax.lax.ragged_all_to_all``; on
+  XLA:CPU, which lacks it, :func:`padded_ragged_all_to_all`), which runs its experts on
+  the rows it receives ("ragged" or "grouped" on pre-sorted rows) and sends the results
+  back. Dropless: the receive buffer has room for every pair of the expert axis.
+* ``"auto"`` (default): "grouped" on CPU; elsewhere "all_to_all" where that moves fewer
+  bytes per chip than all-gathering the experts (:func:`exchange_moves_fewer_bytes`: an
+  ``expert`` axis over 1 and fewer than about 16k tokens per device at the paper's
+  shape), else "ragged".
 
 Under a mesh, "grouped" and "ragged" run per batch shard (:func:`per_batch_shard`: each
-device sorts and dispatches its own tokens) against all-gathered expert weights (correct,
-not EP-optimal).
+device sorts and dispatches its own tokens) against all-gathered expert weights: every
+device receives every expert's weights per layer, and reduces their gradients, whatever
+its token count; "all_to_all" moves its tokens instead (docs/parallel.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -47,7 +58,7 @@ from flax import nnx
 
 from satjax.config import MoeImpl
 from satjax.model.layers import make_param
-from satjax.parallel import constrain, logical_to_spec
+from satjax.parallel import constrain, logical_to_spec, target_platform
 
 Array = jax.Array
 MOE_IMPLS: tuple[str, ...] = typing.get_args(MoeImpl)
@@ -126,16 +137,21 @@ def _sort_pairs(experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
     return order, jnp.argsort(order), sizes
 
 
+def ragged_rows(xs: Array, sizes: Array, w_gate: Array, w_up: Array, w_down: Array
+                ) -> Array:
+    """SwiGLU of rows xs [R, D] sorted by expert, ``sizes`` [E] rows each (their sum at most
+    R; rows past it come out zero), as three ``jax.lax.ragged_dot`` -> [R, D]."""
+    g = jax.lax.ragged_dot(xs, w_gate, sizes)
+    u = jax.lax.ragged_dot(xs, w_up, sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)
+
+
 def ragged_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
                    w_down: Array) -> Array:
     """Dropless sorted dispatch. x [N, D]; experts/weights [N, k]; w_* [E, ...] -> [N, D]."""
     n, k = experts.shape
-    order, inverse, group_sizes = _sort_pairs(experts, w_gate.shape[0])
-    xs = x[order // k]
-    g = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    u = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, group_sizes)
-    y = y[inverse].reshape(n, k, -1)
+    order, inverse, sizes = _sort_pairs(experts, w_gate.shape[0])
+    y = ragged_rows(x[order // k], sizes, w_gate, w_up, w_down)[inverse].reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
 
 
@@ -148,18 +164,20 @@ def _chunk_rows(m: int, num_experts: int) -> tuple[int, int]:
     return full, max(full // 4, 8)
 
 
-def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry,
+def _chunk_loop(starts: Array, sizes: Array, chunks: tuple[int, int], body, carry,
                 local=None, flush=None):
     """Run ``body(e, lo, rows, (carry, local))`` over each expert's sorted rows in chunks.
 
-    Expert e owns sorted rows ``[starts[e], starts[e] + sizes[e])``; they are covered by
-    ``sizes[e] // full`` chunks of ``full`` rows, then chunks of ``tail`` rows (the last one
-    may run past the expert's rows into later experts' rows or the zero padding). Experts go
-    in ascending order, so a row a chunk runs over is rewritten by its own expert's chunk
-    later; backward bodies mask the rows past ``starts[e] + sizes[e]`` themselves.
+    Expert e owns sorted rows ``[starts[e], starts[e] + sizes[e])``; with ``chunks = (full,
+    tail)`` they are covered by ``sizes[e] // full`` chunks of ``full`` rows, then chunks of
+    ``tail`` rows (the last one may run past the expert's rows into later experts' rows or
+    the zero padding). Experts go in ascending order, so a row a chunk runs over is
+    rewritten by its own expert's chunk later; backward bodies mask the rows past
+    ``starts[e] + sizes[e]`` themselves.
     ``local`` starts afresh for each expert and ``flush(e, carry, local)`` folds it into
     the carry after the expert's last chunk (per-expert accumulators).
     """
+    full, tail = chunks
     n_full = sizes // full
     n_tail = -(-(sizes - n_full * full) // tail)
 
@@ -175,19 +193,12 @@ def _chunk_loop(starts: Array, sizes: Array, full: int, tail: int, body, carry,
     return jax.lax.fori_loop(0, starts.shape[0], expert, carry)
 
 
-def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
-    """Sorted rows, per-expert chunked SwiGLU, unsort and combine; the residuals of the
-    backward when ``save``."""
-    n, k = experts.shape
-    num_experts, d, f = w_gate.shape
-    m = n * k
-    full, tail = _chunk_rows(m, num_experts)
-    order, inverse, sizes = _sort_pairs(experts, num_experts)
-    starts = jnp.cumsum(sizes) - sizes
-    # zero padding of one full chunk: a chunk's window never reaches past the end (where
-    # dynamic_slice would clamp it back over real rows)
-    xs = jnp.concatenate([x[order // k], jnp.zeros((full, d), x.dtype)])
-    rows = xs.shape[0]
+def _rows_forward(xs, starts, sizes, w_gate, w_up, w_down, chunks, *, save: bool):
+    """SwiGLU of sorted rows xs [R, D] (expert e's at ``[starts[e], starts[e] + sizes[e])``,
+    ``chunks[0]`` zero rows at the end) in chunks -> (ys, and when ``save`` the gate and
+    up activations the backward needs)."""
+    rows, d = xs.shape
+    f = w_gate.shape[-1]
 
     def body(e, lo, size, state):
         (ys, gs, us), _ = state
@@ -199,9 +210,53 @@ def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
             us = jax.lax.dynamic_update_slice_in_dim(us, u, lo, 0)
         return (ys, gs, us), None
 
-    hidden = (jnp.zeros((rows, f), x.dtype),) * 2 if save else (None, None)
-    ys, gs, us = _chunk_loop(starts, sizes, full, tail, body,
-                             (jnp.zeros((rows, d), x.dtype), *hidden))
+    hidden = (jnp.zeros((rows, f), xs.dtype),) * 2 if save else (None, None)
+    return _chunk_loop(starts, sizes, chunks, body, (jnp.zeros((rows, d), xs.dtype), *hidden))
+
+
+def _rows_backward(xs, gs, us, dys, starts, sizes, w_gate, w_up, w_down, chunks):
+    """The backward of :func:`_rows_forward`: dys like xs -> (dxs, (dw_gate, dw_up, dw_down))."""
+    ends = starts + sizes
+
+    def body(e, lo, size, state):
+        (dxs, grads), (dwg, dwu, dwd) = state
+        own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
+        dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
+        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
+        g = jax.lax.dynamic_slice_in_dim(gs, lo, size)
+        u = jax.lax.dynamic_slice_in_dim(us, lo, size)
+        sig = jax.nn.sigmoid(g)
+        silu = g * sig
+        da = dyc @ w_down[e].T
+        dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
+        du = da * silu
+        dx = dg @ w_gate[e].T + du @ w_up[e].T
+        dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0)
+        return (dxs, grads), (dwg + xc.T @ dg, dwu + xc.T @ du, dwd + (silu * u).T @ dyc)
+
+    def flush(e, carry, acc):  # each expert's weight gradient, written once
+        dxs, grads = carry
+        return dxs, tuple(jax.lax.dynamic_update_index_in_dim(w, a, e, 0)
+                          for w, a in zip(grads, acc, strict=True))
+
+    ws = (w_gate, w_up, w_down)
+    return _chunk_loop(
+        starts, sizes, chunks, body, (jnp.zeros_like(xs), tuple(map(jnp.zeros_like, ws))),
+        local=tuple(jnp.zeros(w.shape[1:], w.dtype) for w in ws), flush=flush)
+
+
+def _grouped_forward(x, experts, weights, w_gate, w_up, w_down, *, save: bool):
+    """Sorted rows, per-expert chunked SwiGLU, unsort and combine; the residuals of the
+    backward when ``save``."""
+    n, k = experts.shape
+    num_experts, d, _ = w_gate.shape
+    chunks = _chunk_rows(n * k, num_experts)
+    order, inverse, sizes = _sort_pairs(experts, num_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    # zero padding of one full chunk: a chunk's window never reaches past the end (where
+    # dynamic_slice would clamp it back over real rows)
+    xs = jnp.concatenate([x[order // k], jnp.zeros((chunks[0], d), x.dtype)])
+    ys, gs, us = _rows_forward(xs, starts, sizes, w_gate, w_up, w_down, chunks, save=save)
     y = ys[inverse].reshape(n, k, d)  # row of pair (token i, slot j) at i * k + j
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
     return out, (xs, gs, us, y, order, inverse, sizes, starts)
@@ -227,39 +282,13 @@ def _grouped_fwd(x, experts, weights, w_gate, w_up, w_down):
 def _grouped_bwd(saved, dout):
     (xs, gs, us, y, order, inverse, sizes, starts), experts, weights, w_gate, w_up, w_down = saved
     n, k = experts.shape
-    num_experts, d, f = w_gate.shape
-    full, tail = _chunk_rows(n * k, num_experts)
+    chunks = _chunk_rows(n * k, w_gate.shape[0])
+    d = w_gate.shape[1]
     dweights = jnp.einsum("nkd,nd->nk", y, dout).astype(weights.dtype)
     dy = (dout[:, None, :] * weights[:, :, None].astype(dout.dtype)).reshape(n * k, d)
-    dys = jnp.concatenate([dy[order], jnp.zeros((full, d), dy.dtype)])
-    ends = starts + sizes
-
-    def body(e, lo, size, state):
-        (dxs, grads), (dwg, dwu, dwd) = state
-        own = (lo + jnp.arange(size) < ends[e])[:, None]  # rows past the expert: no gradient
-        dyc = jnp.where(own, jax.lax.dynamic_slice_in_dim(dys, lo, size), 0)
-        xc = jax.lax.dynamic_slice_in_dim(xs, lo, size)
-        g = jax.lax.dynamic_slice_in_dim(gs, lo, size)
-        u = jax.lax.dynamic_slice_in_dim(us, lo, size)
-        sig = jax.nn.sigmoid(g)
-        silu = g * sig
-        da = dyc @ w_down[e].T
-        dg = da * u * sig * (1 + g * (1 - sig))  # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        du = da * silu
-        dx = dg @ w_gate[e].T + du @ w_up[e].T
-        dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx, lo, 0)
-        return (dxs, grads), (dwg + xc.T @ dg, dwu + xc.T @ du, dwd + (silu * u).T @ dyc)
-
-    def flush(e, carry, acc):  # each expert's weight gradient, written once
-        dxs, grads = carry
-        return dxs, tuple(jax.lax.dynamic_update_index_in_dim(w, a, e, 0)
-                          for w, a in zip(grads, acc, strict=True))
-
-    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
-    dxs, (dwg, dwu, dwd) = _chunk_loop(
-        starts, sizes, full, tail, body, (jnp.zeros_like(xs), zeros),
-        local=tuple(jnp.zeros(w.shape[1:], w.dtype) for w in (w_gate, w_up, w_down)),
-        flush=flush)
+    dys = jnp.concatenate([dy[order], jnp.zeros((chunks[0], d), dy.dtype)])
+    dxs, (dwg, dwu, dwd) = _rows_backward(xs, gs, us, dys, starts, sizes, w_gate, w_up,
+                                          w_down, chunks)
     dx = jnp.sum(dxs[inverse].reshape(n, k, d), axis=1)
     return dx, np.zeros(experts.shape, jax.dtypes.float0), dweights, dwg, dwu, dwd
 
@@ -267,14 +296,71 @@ def _grouped_bwd(saved, dout):
 grouped_experts.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def resolve_moe_impl(moe_impl: str, backend: str | None = None) -> str:
-    """Map "auto" to the fastest dropless implementation for ``backend`` (default: JAX's
-    default backend)."""
+def _grouped_rows_forward(xs, sizes, w_gate, w_up, w_down, load, *, save: bool):
+    chunks = _chunk_rows(load, w_gate.shape[0])
+    starts = jnp.cumsum(sizes) - sizes
+    xs = jnp.concatenate([xs, jnp.zeros((chunks[0], xs.shape[1]), xs.dtype)])
+    ys, gs, us = _rows_forward(xs, starts, sizes, w_gate, w_up, w_down, chunks, save=save)
+    return ys[:xs.shape[0] - chunks[0]], (xs, gs, us, starts)
+
+
+# the same custom VJP as grouped_experts, on rows that arrive sorted
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def grouped_rows(xs: Array, sizes: Array, w_gate: Array, w_up: Array, w_down: Array,
+                 load: int) -> Array:
+    """:func:`ragged_rows` by grouped's chunk loops: rows past ``sum(sizes)`` cost nothing
+    (and come out zero). ``load`` (static) is the rows expected in all, which sizes the
+    chunks (:func:`_chunk_rows`)."""
+    return _grouped_rows_forward(xs, sizes, w_gate, w_up, w_down, load, save=False)[0]
+
+
+def _grouped_rows_fwd(xs, sizes, w_gate, w_up, w_down, load):
+    ys, res = _grouped_rows_forward(xs, sizes, w_gate, w_up, w_down, load, save=True)
+    return ys, (res, sizes, w_gate, w_up, w_down)
+
+
+def _grouped_rows_bwd(load, saved, dys):
+    (xs, gs, us, starts), sizes, w_gate, w_up, w_down = saved
+    chunks = _chunk_rows(load, w_gate.shape[0])
+    dys = jnp.concatenate([dys, jnp.zeros((chunks[0], dys.shape[1]), dys.dtype)])
+    dxs, dws = _rows_backward(xs, gs, us, dys, starts, sizes, w_gate, w_up, w_down, chunks)
+    return (dxs[:dxs.shape[0] - chunks[0]], np.zeros(sizes.shape, jax.dtypes.float0), *dws)
+
+
+grouped_rows.defvjp(_grouped_rows_fwd, _grouped_rows_bwd)
+
+
+def resolve_moe_impl(moe_impl: str, platform: str | None = None, *,
+                     exchange_wins: bool = False) -> str:
+    """Map "auto" to the dropless implementation for ``platform`` (default:
+    :func:`satjax.parallel.target_platform`): "grouped" on CPU; elsewhere "all_to_all"
+    where exchanging the tokens moves fewer bytes than all-gathering the experts
+    (``exchange_wins``:
+    :func:`exchange_moves_fewer_bytes` under the mesh), else "ragged"."""
     if moe_impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
-    if moe_impl == "auto":
-        return "grouped" if (backend or jax.default_backend()) == "cpu" else "ragged"
-    return moe_impl
+    if moe_impl != "auto":
+        return moe_impl
+    if (platform or target_platform()) == "cpu":
+        return "grouped"
+    return "all_to_all" if exchange_wins else "ragged"
+
+
+def exchange_moves_fewer_bytes(tokens: int, k: int, num_experts: int, hidden: int,
+                               width: int, expert_devices: int, embed_devices: int) -> bool:
+    """Whether "all_to_all" moves fewer bytes per chip than all-gathering the experts, for
+    one layer's forward and backward with ``tokens`` on the device: four exchanges of its
+    tokens * k rows (there and back, each transposed in the backward), plus an all-gather
+    and a reduce-scatter of its own experts when ``embed_devices`` split them, against an
+    all-gather and a gradient all-reduce of all experts (both in the compute dtype). The
+    XLA:TPU figures of benchmarks/bench_moe_dispatch.py are these counts (docs/parallel.md):
+    at the paper's layer the exchange wins below 16128 tokens per device on
+    ``{fsdp: 8, expert: 8}`` (18432 without fsdp)."""
+    if expert_devices < 2 or num_experts % expert_devices:
+        return False
+    expert = 3 * hidden * width
+    own = 2 * num_experts // expert_devices * expert if embed_devices > 1 else 0
+    return 4 * tokens * k * hidden + own < 2 * num_experts * expert
 
 
 def dense_einsum_experts(x: Array, experts: Array, weights: Array, w_gate: Array,
@@ -362,6 +448,150 @@ def in_token_chunks(fn, max_tokens: int = MOE_CHUNK_TOKENS):
     return run
 
 
+# ----------------------------------------------------------------- expert parallelism
+def padded_ragged_all_to_all(operand: Array, output: Array, input_offsets: Array,
+                             send_sizes: Array, output_offsets: Array, recv_sizes: Array,
+                             axis_name: str) -> Array:
+    """``jax.lax.ragged_all_to_all`` (same arguments, same result) as one ``all_to_all``
+    of a padded buffer, for backends without the ragged collective (XLA:CPU).
+
+    The slices bound for each device are packed back to back into a block as long as the
+    whole operand, so nothing is dropped whatever the sizes, at the price of sending
+    axis-size blocks of the operand's length: axis-size times the bytes of the ragged
+    collective, mostly zeros.
+    """
+    p = jax.lax.axis_size(axis_name)
+    per = input_offsets.shape[0] // p  # slices per destination
+    rows = operand.shape[0]
+    trail = (None,) * (operand.ndim - 1)
+
+    def block_rows(sizes: Array, n: int) -> tuple[Array, Array, Array]:
+        """Per block of ``per`` slices packed back to back: each of its n rows' slice, the
+        slice's first row in the block, and whether the row is inside a slice."""
+        packed = jnp.cumsum(sizes, axis=1) - sizes
+        r = jnp.arange(n)
+        t = jax.vmap(lambda at: jnp.searchsorted(at, r, side="right") - 1)(packed)
+        return t, jnp.take_along_axis(packed, t, axis=1), r < jnp.sum(sizes, 1, keepdims=True)
+
+    t, packed, inside = block_rows(send_sizes.reshape(p, per), rows)
+    src = jnp.take_along_axis(input_offsets.reshape(p, per), t, axis=1) + jnp.arange(rows) - packed
+    send = jnp.where(inside[(..., *trail)], operand[jnp.clip(src, 0, rows - 1)], 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0).reshape(p * rows, *operand.shape[1:])
+    # receiver: slice i came from device i // per, packed as its sender packed it, and goes
+    # to offsets[i]; each output row finds the slice covering it (empty ones cover nothing)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    sizes = recv_sizes.reshape(p, per)
+    at = ((jnp.cumsum(sizes, axis=1) - sizes) + rows * jnp.arange(p)[:, None]).reshape(-1)
+    starts = jnp.where(recv_sizes > 0, offsets, -1)
+    by_start = jnp.argsort(starts)
+    q = jnp.arange(output.shape[0])
+    i = by_start[jnp.searchsorted(starts[by_start], q, side="right") - 1]
+    covered = (q >= offsets[i]) & (q < offsets[i] + recv_sizes[i])
+    got = recv[jnp.clip(at[i] + q - offsets[i], 0, p * rows - 1)]
+    return jnp.where(covered[(..., *trail)], got, output)
+
+
+EXCHANGES: dict[str, Callable[..., Array]] = {
+    "ragged": jax.lax.ragged_all_to_all, "padded": padded_ragged_all_to_all}
+
+
+def _exchange_experts(x: Array, experts: Array, weights: Array, w_gate: Array, w_up: Array,
+                      w_down: Array, *, kernel: str, exchange: str, axis: str) -> Array:
+    """One device's tokens through the experts of every device on ``axis``, by a token
+    exchange (inside ``shard_map``). x [n, D], experts/weights [n, k]: this device's
+    tokens; w_* [E_l, ...]: its E_l experts, expert e living on device e // E_l.
+
+    The n*k (token, expert) pairs are sorted by expert, hence by the device holding it, and
+    each device's slice is sent there (:data:`EXCHANGES`), landing expert-major: a device
+    receives its experts' rows already sorted, each expert's rows device by device. It
+    runs its experts on them (``kernel``: "grouped" or "ragged"), sends the results back
+    by the reverse exchange and combines them with the gate weights. The receive buffer
+    holds every pair of the axis (the case of all of them routed to this device's
+    experts), so no pair is ever dropped; the exchange moves only the real rows.
+    """
+    n, k = experts.shape
+    m, d = n * k, x.shape[1]
+    e_local = w_gate.shape[0]
+    p = jax.lax.axis_size(axis)
+    order, inverse, sizes = _sort_pairs(experts, e_local * p)
+    counts = jax.lax.all_gather(sizes, axis)  # [p, E]: the rows each device sends each expert
+    before = jnp.cumsum(counts, axis=0) - counts  # ... of them from lower devices
+    sent_at = jnp.cumsum(counts, axis=1) - counts  # the row each slice starts at on its sender
+    load = jnp.sum(counts, axis=0).reshape(p, e_local)
+    starts = (jnp.cumsum(load, axis=1) - load).reshape(-1)  # e's first row on its device
+
+    me = jax.lax.axis_index(axis)
+
+    def mine(a: Array) -> Array:  # the columns of this device's experts
+        return jax.lax.dynamic_slice_in_dim(a, me * e_local, e_local, axis=-1)
+
+    recv_sizes = mine(counts).reshape(-1)  # slice s * E_l + l: device s's rows of expert l
+    send = EXCHANGES[exchange]
+    xs = send(x[order // k], jnp.zeros((p * m, d), x.dtype), sent_at[me], sizes,
+              starts + before[me], recv_sizes, axis_name=axis)
+    w = (w_gate, w_up, w_down)
+    ys = grouped_rows(xs, load[me], *w, m) if kernel == "grouped" else ragged_rows(xs, load[me], *w)
+    y = send(ys, jnp.zeros((m, d), ys.dtype), (mine(starts)[None] + mine(before)).reshape(-1),
+             recv_sizes, mine(sent_at).reshape(-1), sizes, axis_name=axis)
+    y = y[inverse].reshape(n, k, d)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def _mesh_axes(spec: jax.sharding.PartitionSpec, dim: int) -> tuple[str, ...]:
+    entry = spec[dim] if dim < len(spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_parallel(dtype: jnp.dtype, *, kernel: str, exchange: str):
+    """The "all_to_all" dispatch ``fn(x [N, D], experts, weights, w_gate, w_up, w_down)``
+    under the current mesh: the expert weights stay where they are stored (experts over
+    ``expert``, embed over ``fsdp``, expert MLP over ``tensor``) and the tokens travel
+    (:func:`_exchange_experts` over ``expert``). Per device, in ``shard_map`` over every
+    mesh axis: the weights (param dtype, cast to ``dtype`` here, so the gradient sum over
+    replicas runs in the param dtype) are all-gathered over the axes of their embed
+    dimension only; the tokens run in chunks (:func:`in_token_chunks`); with the expert
+    MLP split over ``tensor`` each device holds a partial sum, summed in float32. Without a
+    mesh, or an ``expert`` axis of size 1, every expert is local: ``kernel``'s dispatch.
+    """
+    def cast(ws):
+        return [w.astype(dtype) for w in ws]
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        local = in_token_chunks(_IMPLS[kernel])
+        return lambda x, experts, weights, *ws: local(x, experts, weights, *cast(ws))
+    ep = mesh.shape.get("expert", 1)
+    dispatch = _IMPLS[kernel] if ep == 1 else functools.partial(
+        _exchange_experts, kernel=kernel, exchange=exchange, axis="expert")
+    P = jax.sharding.PartitionSpec
+
+    def run(x, experts, weights, w_gate, w_up, w_down):
+        if w_gate.shape[0] % ep:
+            raise ValueError(f"moe_impl all_to_all: {w_gate.shape[0]} experts do not divide "
+                             f"over the expert axis of {ep} devices")
+        rows = logical_to_spec(("batch", None), x.shape, mesh)
+        tok = P(rows[0] if len(rows) else None, None)
+        up = logical_to_spec(("experts", "embed", "expert_mlp"), w_gate.shape, mesh)
+        down = logical_to_spec(("experts", "expert_mlp", "embed"), w_down.shape, mesh)
+        embed, partial = _mesh_axes(up, 1), _mesh_axes(up, 2)
+
+        def local(x, experts, weights, w_gate, w_up, w_down):
+            w_gate, w_up, w_down = (
+                jax.lax.all_gather(w, embed, axis=axis, tiled=True) if embed else w
+                for w, axis in zip(cast((w_gate, w_up, w_down)), (1, 1, 2), strict=True))
+            out = in_token_chunks(dispatch)(x, experts, weights, w_gate, w_up, w_down)
+            if partial:
+                out = jax.lax.psum(out.astype(jnp.float32), partial).astype(out.dtype)
+            return out
+
+        # check_vma=False: the kernels' loop carries start as replicated zeros
+        return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, up, up, down),
+                             out_specs=tok, check_vma=False)(
+            x, experts, weights, w_gate, w_up, w_down)
+
+    return run
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts stored stacked: gate/up [E, D, F], down [E, F, D]."""
 
@@ -382,14 +612,31 @@ class SparseMoeBlock(nnx.Module):
     [B, T, k] (:func:`route` for the replays)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, dtype: jnp.dtype, param_dtype: jnp.dtype,
-                 moe_impl: str = "auto"):
+                 moe_impl: str = "auto", platform: str | None = None):
         self.gate = make_param(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", None),
                                param_dtype, std=cfg.initializer_range)
         self.experts = Experts(cfg, rngs=rngs, param_dtype=param_dtype)
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.moe_impl = resolve_moe_impl(moe_impl)
+        # the backend the dispatch compiles for; None: the current mesh's devices' (a TPU
+        # topology's when compiled from a CPU host), else JAX's default backend, per call
+        self.platform = platform
+        # "auto" stays unresolved here: under a mesh it depends on the expert axis
+        self.moe_impl = moe_impl if moe_impl == "auto" else resolve_moe_impl(moe_impl)
         self.dtype = dtype
+
+    def _exchange_wins(self, tokens: int) -> bool:
+        """:func:`exchange_moves_fewer_bytes` for ``tokens`` under the current mesh."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return False
+        e, d, f = self.experts.gate_proj.shape
+        batch = logical_to_spec(("batch",), (tokens,), mesh)
+        embed = logical_to_spec(("experts", "embed", "expert_mlp"), (e, d, f), mesh)
+        return exchange_moves_fewer_bytes(
+            tokens // math.prod(mesh.shape[a] for a in _mesh_axes(batch, 0)), self.top_k, e,
+            d, f, mesh.shape.get("expert", 1),
+            math.prod(mesh.shape[a] for a in _mesh_axes(embed, 1)))
 
     def __call__(self, x: Array, routed_experts: Array | None = None,
                  routed_gates: Array | None = None) -> tuple[Array, RouteRecord]:
@@ -403,14 +650,23 @@ class SparseMoeBlock(nnx.Module):
         rec = route(logits, self.top_k, self.norm_topk_prob, flat_k(routed_experts),
                     flat_k(routed_gates))
         weights = rec.weights.astype(self.dtype)  # HF casts gate weights to the hidden dtype
-        # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
-        # sharded weights without a full rematerialisation: all-gather them explicitly
-        # (dense_einsum keeps them sharded over experts).
-        keep = ("experts", None, None) if self.moe_impl == "dense_einsum" else (None,) * 3
-        ws = [constrain(p[...].astype(self.dtype), keep) for p in
-              (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
-        dispatch = _IMPLS[self.moe_impl]
-        if self.moe_impl != "dense_einsum":
-            dispatch = per_batch_shard(in_token_chunks(dispatch), b * t)
+        params = (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
+        platform = self.platform or target_platform()
+        impl = resolve_moe_impl(self.moe_impl, platform,
+                                exchange_wins=self._exchange_wins(b * t))
+        if impl == "all_to_all":  # the weights stay sharded; the tokens travel
+            cpu = platform == "cpu"  # XLA:CPU has no ragged-all-to-all
+            dispatch = expert_parallel(self.dtype, kernel=resolve_moe_impl("auto", platform),
+                                       exchange="padded" if cpu else "ragged")
+            ws = [p[...] for p in params]  # cast per device, after the gradient's sum
+        else:
+            # The sorted dispatches gather per-group expert weights, which GSPMD cannot do on
+            # sharded weights without a full rematerialisation: all-gather them explicitly
+            # (dense_einsum keeps them sharded over experts).
+            keep = ("experts", None, None) if impl == "dense_einsum" else (None,) * 3
+            ws = [constrain(p[...].astype(self.dtype), keep) for p in params]
+            dispatch = _IMPLS[impl]
+            if impl != "dense_einsum":
+                dispatch = per_batch_shard(in_token_chunks(dispatch), b * t)
         out = constrain(dispatch(flat, rec.experts_used, weights, *ws), ("batch", None))
         return out.reshape(b, t, d), jax.tree.map(lambda a: a.reshape(b, t, -1), rec)

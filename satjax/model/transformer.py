@@ -131,7 +131,7 @@ class Qwen3MoeForCausalLM(nnx.Module):
       rngs: initialisation RNGs (weights ~ N(0, initializer_range), norms = 1).
       dtype: compute dtype (activations, matmuls); softmaxes and norms run in float32.
       param_dtype: storage dtype of the parameters (the optimizer's master weights).
-      moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" dropless
+      moe_impl: "auto" | "grouped" | "ragged" | "dense_einsum" | "all_to_all" dropless
         dispatch (moe.py).
       attention: "auto" | "reference" | "blockwise" | "cudnn" | "splash" full-sequence
         attention (attention.py); the KV-cache path always runs the reference math.
