@@ -120,7 +120,7 @@ def collectives(hlo_text: str, num_devices: int) -> CollectiveStats:
             current = comps.setdefault(m.group(1), [])
             if line.startswith("ENTRY"):
                 entry = m.group(1)
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # not "}}, ...": a custom call's config spans lines
             current = None
         elif current is not None:
             current.append(line)

@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="compile the train step only")
     ap.add_argument("--no-alternatives", action="store_true",
                     help="do not look for a variant that fits when the step does not")
+    ap.add_argument("--hlo", metavar="PATH",
+                    help="also write the train step's optimised HLO text there")
     ap.add_argument("--json", action="store_true",
                     help="print the train step's figures as one JSON object")
     args = ap.parse_args(argv)
@@ -183,7 +185,11 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
         return mem, compiled
 
     mem, compiled = compile_train(cfg)
-    coll = collectives(compiled.as_text(), chips)
+    hlo = compiled.as_text()
+    if args.hlo:
+        with open(args.hlo, "w") as fh:
+            fh.write(hlo)
+    coll = collectives(hlo, chips)
     cost = compiled.cost_analysis() or {}
     tokens = args.micro_batch * seq_len * cfg.train.grad_accum  # per chip per step
     flops = tokens * step_flops_per_token(cfg, mcfg, seq_len)

@@ -164,3 +164,21 @@ def test_plan_of_the_tiny_run_on_a_v5e_slice():
     assert set(report["sampler"]) == {"eval_forward", "decode"}
     assert all(s["peak_gib"] > 0 and s["fits"] for s in report["sampler"].values())
     assert "compiling the train step" in r.stderr and "compiling the sampler" in r.stderr
+
+
+def test_collectives_after_a_custom_call_whose_config_spans_lines_are_counted():
+    """A Mosaic kernel's custom call (splash attention) carries a backend config over
+    several lines, one of them starting with "}}": the computation goes on after it."""
+    hlo = "\n".join([
+        "HloModule m",
+        "",
+        "ENTRY %main (p: f32[8]) -> f32[8] {",
+        "  %p = f32[8]{0} parameter(0)",
+        '  %k = f32[8]{0} custom-call(%p), custom_call_target="tpu_custom_call", '
+        'backend_config={"custom_call_config": {"body": "...',
+        '}}, metadata={op_name="pallas_call"}',
+        "  ROOT %ar = f32[8]{0} all-reduce(%k), replica_groups={{0,1,2,3}}, to_apply=%add",
+        "}",
+    ])
+    (ar,) = collectives(hlo, 4).by_kind
+    assert (ar.kind, ar.count, ar.bytes, ar.traffic) == ("all-reduce", 1, 32, 48)
