@@ -11,10 +11,10 @@ Publishing is atomic: files go to a staging directory (``.vNNNNNNNN-<tag>.stagin
 a dot-name readers ignore) that is renamed into place, and the ``LATEST`` pointer is
 replaced with ``os.replace``; a version is removed the same way, renamed to a dot-name
 (``.vNNNNNNNN-<id>.removed``) before its files are deleted, newest first, so that a crash
-leaves each version whole or gone and no delta without its base. In an exact-lag experiment the trainer also writes
-``TARGET``: the version workers must serve (``latest - lag``). Several processes may write
-into one staging directory (``satjax.train.publish``); only the one that calls
-:meth:`WeightPublisher.publish` renames it.
+leaves each version whole or gone and no delta without its base. In an exact-lag
+experiment the trainer also writes ``TARGET``: the version workers must serve (``latest -
+lag``). Several processes may write into one staging directory (``satjax.train.publish``);
+only the one that calls :meth:`WeightPublisher.publish` renames it.
 
 Layout (version directory names come from :func:`satjax.run_dir.version_dir`)::
 
