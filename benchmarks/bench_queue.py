@@ -93,14 +93,20 @@ def serve_echo(port: int) -> None:
 
 def make_traj(i: int, p: int, n: int, layers: int, k: int, experts: int,
               group_size: int) -> Trajectory:
+    """A trajectory as a worker recording routes sends it: the experts of every token and
+    layer with their gate weights (``rollout.record_routes``; the queue of a run requires
+    both), float16 weights in [0, 1] summing to 1 over the top-k like a router's."""
     rng = np.random.default_rng(i)
+    gates = rng.random((p + n - 1, layers, k), dtype=np.float32)
+    gates /= gates.sum(-1, keepdims=True)
     return Trajectory(
         trajectory_id=f"t{i}", group_id=f"g{i // group_size}", prompt_id=f"p{i // group_size}",
         prompt_tokens=rng.integers(0, 150000, p, dtype=np.int32),
         response_tokens=rng.integers(0, 150000, n, dtype=np.int32),
         behavior_logprobs=-rng.random(n, dtype=np.float32) * 5, policy_version=0,
         reward=1.0, group_size=group_size, finish_reason="length", engine="bench",
-        routed_experts=rng.integers(0, experts, (p + n - 1, layers, k), dtype=np.int32))
+        routed_experts=rng.integers(0, experts, (p + n - 1, layers, k), dtype=np.int32),
+        routed_gates=gates.astype(np.float16))
 
 
 def disk_rates(directory: str | None, records: list[bytes], group: int) -> dict[str, float]:
@@ -503,8 +509,8 @@ def main() -> None:
         for fsync in policies:
             concurrent_puts(args, fsync)
         return
-    print(f"trajectory: P={args.prompt} N={args.response} routes {args.layers}x top-"
-          f"{args.topk} of {args.experts} experts; batch {args.batch}, "
+    print(f"trajectory: P={args.prompt} N={args.response} routes and gates {args.layers}x "
+          f"top-{args.topk} of {args.experts} experts; batch {args.batch}, "
           f"{args.rounds} rounds, best of {args.repeats} repeats", flush=True)
     for fsync in policies:
         report(args, fsync, bench(args, fsync))

@@ -9,10 +9,12 @@ looks exactly like staleness.
 
 Publishing is atomic: files go to a staging directory (``.vNNNNNNNN-<tag>.staging``,
 a dot-name readers ignore) that is renamed into place, and the ``LATEST`` pointer is
-replaced with ``os.replace``. In an exact-lag experiment the trainer also writes
-``TARGET``: the version workers must serve (``latest - lag``). Several processes may write
-into one staging directory (``satjax.train.publish``); only the one that calls
-:meth:`WeightPublisher.publish` renames it.
+replaced with ``os.replace``; a version is removed the same way, renamed to a dot-name
+(``.vNNNNNNNN-<id>.removed``) before its files are deleted, newest first, so that a crash
+leaves each version whole or gone and no delta without its base. In an exact-lag
+experiment the trainer also writes ``TARGET``: the version workers must serve (``latest -
+lag``). Several processes may write into one staging directory (``satjax.train.publish``);
+only the one that calls :meth:`WeightPublisher.publish` renames it.
 
 Layout (version directory names come from :func:`satjax.run_dir.version_dir`)::
 
@@ -51,12 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -67,8 +70,11 @@ import zstandard
 from satjax.run_dir import parse_version_dir, version_dir
 from satjax.utils import atomic_write, fsync_dir
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
 STAGING_SUFFIX = ".staging"
+REMOVED_SUFFIX = ".removed"  # a version being removed: .vNNNNNNNN-<uuid>.removed
 FULL, DELTA = "full", "delta"  # the manifest's "kind"
 DELTA_PREFIX = "delta-"  # delta files: delta-00001-of-00004.safetensors
 # zstd level of the deltas: on these mostly-zero XORs level 1 compresses as well as the
@@ -169,18 +175,33 @@ class WeightPublisher:
             raise
         atomic_write(self.sync_dir / "LATEST", str(version))
         if target_version is not None:
+            target_version = self._servable(target_version, version)
             atomic_write(self.sync_dir / "TARGET", str(target_version))
         self._collect(protect=target_version, published=version)
         return final
 
+    def _servable(self, target: int, published: int) -> int:
+        """``target``, or when it is gone (a resumed run asks for a version of before its
+        checkpoint, long removed) the newest older version a reader can rebuild, else
+        ``published``: ``TARGET`` never names a version a worker cannot load."""
+        if target == published or self._rebuildable(target):
+            return target
+        older = [v for v in published_versions(self.sync_dir)
+                 if v < target and self._rebuildable(v)]
+        got = older[-1] if older else published
+        log.warning("TARGET: version %d is gone; workers are pointed at version %d",
+                    target, got)
+        return got
+
     def discard_from(self, version: int) -> None:
-        """Removes the published versions >= ``version``: a timeline a crash discarded (a
-        run resumed from an older checkpoint publishes those numbers again). ``LATEST``
-        (and a ``TARGET``) naming one of them is first pointed at the newest version kept,
-        or removed when none is, so that no reader ever finds a pointer naming a removed
+        """Removes the versions >= ``version``: a timeline a crash discarded (a run resumed
+        from an older checkpoint publishes those numbers again), with any directory of
+        theirs a crash left without its manifest. ``LATEST`` (and a ``TARGET``) naming one
+        of them is first pointed at the newest version kept that a reader can rebuild, or
+        removed when there is none, so that no reader ever finds a pointer naming a removed
         version (it would wait for it, or fail)."""
-        versions = published_versions(self.sync_dir)
-        kept = [v for v in versions if v < version]
+        kept = [v for v in published_versions(self.sync_dir)
+                if v < version and self._rebuildable(v)]
         for name in ("LATEST", "TARGET"):
             pointer = self.sync_dir / name
             current = _read_int(pointer)
@@ -191,9 +212,31 @@ class WeightPublisher:
             else:
                 pointer.unlink(missing_ok=True)
                 fsync_dir(self.sync_dir)
-        for v in versions:
-            if v >= version:
-                shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
+        self._remove(v for v in _version_dirs(self.sync_dir) if v >= version)
+
+    def _rebuildable(self, version: int) -> bool:
+        """Whether every version of the chain of ``version`` is there, whole."""
+        try:
+            return all(version_complete(p.path, p.manifest)
+                       for p in WeightSubscriber(self.sync_dir).chain(version))
+        except (WeightSyncError, OSError, ValueError, KeyError):
+            return False
+
+    def _remove(self, versions: Iterable[int]) -> None:
+        """Removes ``versions``, newest first, each at once: it is renamed to a dot-name
+        readers ignore before its files go. A crash then leaves every version whole or
+        gone (a half-removed directory would still hold its manifest, or, without it,
+        block the number's next publish), and never a delta whose base is gone (a base is
+        older than its deltas)."""
+        for v in sorted(versions, reverse=True):
+            path = version_dir(self.sync_dir, v)
+            trash = self.sync_dir / f".{path.name}-{uuid.uuid4().hex}{REMOVED_SUFFIX}"
+            try:
+                os.replace(path, trash)
+            except FileNotFoundError:
+                continue
+            fsync_dir(self.sync_dir)
+            shutil.rmtree(trash, ignore_errors=True)
 
     def _collect(self, protect: int | None, published: int) -> None:
         versions = published_versions(self.sync_dir)
@@ -212,14 +255,15 @@ class WeightPublisher:
                 if manifest.get("kind", FULL) == FULL:
                     break
                 v = manifest["base"]
-        for v in versions:
-            if v not in needed:
-                shutil.rmtree(version_dir(self.sync_dir, v), ignore_errors=True)
-        # staging left by a crashed or failed publish; one of a newer version may be in use
+        self._remove(v for v in versions if v not in needed)
+        # staging left by a crashed or failed publish (one of a newer version may be in
+        # use), and versions a crash left half removed
         for p in self.sync_dir.glob(f".*{STAGING_SUFFIX}"):
             staged = parse_version_dir(p.name[1:].split("-", 1)[0])
             if staged is not None and staged <= published:
                 shutil.rmtree(p, ignore_errors=True)
+        for p in self.sync_dir.glob(f".*{REMOVED_SUFFIX}"):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def published_versions(sync_dir: str | os.PathLike[str]) -> list[int]:
@@ -233,6 +277,12 @@ def published_versions(sync_dir: str | os.PathLike[str]) -> list[int]:
         if v is not None and p.is_dir() and (p / MANIFEST).exists():
             out.append(v)
     return sorted(out)
+
+
+def _version_dirs(sync_dir: Path) -> list[int]:
+    """Every version directory in ``sync_dir``, with its manifest or not."""
+    return sorted(v for p in sync_dir.iterdir()
+                  if (v := parse_version_dir(p.name)) is not None and p.is_dir())
 
 
 def _read_int(path: Path) -> int | None:

@@ -88,11 +88,11 @@ def main(argv: list[str]) -> int:
         p.error(f"{config_path}: {e}")
     tokenizer = build_tokenizer(cfg)
     task = build_task(cfg, tokenizer)
-    from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
+    from satjax.queue.client import NO_RETRY, QueueClient, QueueError, QueueUnavailableError
 
     # retries=0: the worker itself retries a queue it cannot reach (rollout.queue_retry_s,
     # one log line per try, a SIGTERM heard between tries)
-    client = QueueClient(args.queue, token=token, retries=0)
+    client = QueueClient(args.queue, token=token, retry=NO_RETRY)
     try:
         client.wait_ready(timeout=QUEUE_WAIT_S)
     except QueueUnavailableError:

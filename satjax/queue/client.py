@@ -1,9 +1,14 @@
 """Client of the trajectory queue (producers: ``put``/``should_pause``; trainer: the rest).
 
-Calls that fail with UNAVAILABLE, with a full disk on the server, or because the server
-has all the calls it takes at once, are retried with bounded exponential backoff; ``put``
-is safe to retry because the server de-duplicates on ``trajectory_id``. Other failures
-raise a :class:`QueueError` subclass naming what went wrong. Each client is one consumer
+Every call has a deadline (:class:`RetryPolicy`: ``deadline_s`` a try, beyond the wait a
+GetBatch asks for), so a server that takes the connection and never answers fails the
+call instead of hanging it. Calls that fail with UNAVAILABLE, past their deadline, with a
+full disk on the server, or because the server has all the calls it takes at once, are
+retried with bounded exponential backoff, one log line a retry: ``put`` is safe to
+retry because the server de-duplicates on ``trajectory_id``, ``ack`` acknowledges up to a
+cursor. A GetBatch past its deadline is not retried: its batch may have been delivered
+with a reply that was lost, and the next batch's ack would cover it untrained. Other
+failures raise a :class:`QueueError` subclass naming what went wrong. Each client is one consumer
 (``consumer_id``, a fresh id unless given): the server serves one consumer at a time (see
 ``get_batch``'s ``take_over``).
 """
@@ -11,6 +16,7 @@ raise a :class:`QueueError` subclass naming what went wrong. Each client is one 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +48,10 @@ from satjax.trajectory import Trajectory
 
 __all__ = ["PauseDecision", "PutResult", "QueueAuthError", "QueueClient", "QueueError",
            "QueueLeaseError", "QueueStorageError", "QueueTimeoutError", "QueueTooLargeError",
-           "QueueUnavailableError", "QueueValidationError", "Rejection", "TrajectoryBatch"]
+           "QueueUnavailableError", "QueueValidationError", "NO_RETRY", "Rejection", "RetryPolicy",
+           "TrajectoryBatch"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Items at least this large (on average) are streamed, one message each, as they are: a
@@ -50,6 +59,34 @@ T = TypeVar("T")
 # on the server. Measured with 489 KiB items, the stream was as fast or faster; below a few
 # hundred KiB the stream's per-message overhead dominates instead.
 STREAM_ITEM_BYTES = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How a :class:`QueueClient` call waits and retries: the one default of every caller
+    (:data:`NO_RETRY` for one that retries itself).
+
+    Each try has ``deadline_s`` (a GetBatch: the wait it asks for, plus ``deadline_s``);
+    a try that fails with a retryable error is repeated ``retries`` times at most, after
+    ``backoff_s`` doubling to at most ``max_backoff_s``. With the defaults a server that
+    never answers fails a call after 7 tries, 3.6 min; one that is down, after 5.1 s of
+    backoff."""
+
+    retries: int = 6
+    backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    # a try's deadline: a 64 MiB PutBatch over a slow link, with room to spare
+    deadline_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries: must be >= 0, got {self.retries!r}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s: must be > 0, got {self.deadline_s!r}")
+
+
+# for a caller that retries itself (a rollout worker: rollout.queue_retry_s), a try at a time
+NO_RETRY = RetryPolicy(retries=0)
 
 
 class QueueError(RuntimeError):
@@ -129,13 +166,10 @@ class QueueClient:
 
     def __init__(self, address: str, *, token: str, tls_ca: str | Path | None = None,
                  tls_server_name: str | None = None, max_message_mb: float = MAX_MESSAGE_MB,
-                 retries: int = 6, backoff_s: float = 0.1, max_backoff_s: float = 2.0,
-                 num_experts: int | None = None, compact_routes: bool = False,
-                 consumer_id: str | None = None):
+                 retry: RetryPolicy = RetryPolicy(), num_experts: int | None = None,
+                 compact_routes: bool = False, consumer_id: str | None = None):
         if not token:
             raise ValueError(f"token: must be a non-empty bearer token, got {token!r}")
-        if retries < 0:
-            raise ValueError(f"retries: must be >= 0, got {retries!r}")
         size = int(max_message_mb * (1 << 20))
         options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", size),
                                                  ("grpc.max_send_message_length", size)]
@@ -156,32 +190,41 @@ class QueueClient:
             f"/{SERVICE}/GetBatch", request_serializer=pb2.GetBatchRequest.SerializeToString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),)
-        self.address, self.retries, self.max_message_bytes = address, retries, size
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.address, self.retry, self.max_message_bytes = address, retry, size
         self.num_experts, self.compact_routes = num_experts, compact_routes
         self.consumer_id = consumer_id or uuid.uuid4().hex
 
     # -- plumbing -------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
+    def _call(self, what: str, fn: Callable[[float], T], wait_s: float = 0.0,
+              idempotent: bool = True) -> T:
+        """``fn(deadline)`` (seconds: ``wait_s`` plus the policy's ``deadline_s``), retried
+        as :class:`RetryPolicy` says; past its deadline only when ``idempotent``."""
+        policy = self.retry
+        delay = policy.backoff_s
+        for attempt in range(policy.retries + 1):
             try:
-                return fn()
+                return fn(wait_s + policy.deadline_s)
             except grpc.RpcError as e:
                 code = e.code()
                 storage = _is_storage_error(e)
-                retry = code == grpc.StatusCode.UNAVAILABLE or storage or _is_server_busy(e)
-                if retry and attempt < self.retries:
+                retry = (code == grpc.StatusCode.UNAVAILABLE or storage or _is_server_busy(e)
+                         or (idempotent and code == grpc.StatusCode.DEADLINE_EXCEEDED))
+                if retry and attempt < policy.retries:
+                    log.warning("queue at %s: %s failed (%s: %s); retry %d of %d in %.2gs",
+                                self.address, what, code.name, e.details(), attempt + 1,
+                                policy.retries, delay)
                     time.sleep(delay)
-                    delay = min(delay * 2, self.max_backoff_s)
+                    delay = min(delay * 2, policy.max_backoff_s)
                     continue
                 cls = QueueStorageError if storage else _ERRORS.get(code, QueueError)
-                raise cls(f"{what} on {self.address}: {code.name}: {e.details()}", code) from e
+                tries = f" (after {attempt + 1} tries)" if attempt else ""
+                raise cls(f"{what} on {self.address}: {code.name}: {e.details()}{tries}",
+                          code) from e
         raise AssertionError("unreachable")
 
     # -- producer API ---------------------------------------------------------------------
-    def put(self, trajectories: Iterable[Trajectory | Any], *, strict: bool = False,
-            timeout: float | None = None) -> PutResult:
+    def put(self, trajectories: Iterable[Trajectory | Any], *, strict: bool = False
+            ) -> PutResult:
         """Sends ``trajectories`` (dataclasses, ``pb2.Trajectory`` or wire bytes) to the queue.
 
         Large items (at least ``STREAM_ITEM_BYTES`` on average) go as a client-streaming Put,
@@ -202,14 +245,14 @@ class QueueClient:
                 and total + 10 * len(parts) + 1024 <= self.max_message_bytes):
             request = join_messages(PUT_BATCH_TRAJECTORIES, parts)
             try:
-                reply = self._call("put", lambda: self._put_batch_raw(
-                    request, timeout=timeout, metadata=self._metadata))
+                reply = self._call("put", lambda deadline: self._put_batch_raw(
+                    request, timeout=deadline, metadata=self._metadata))
             except QueueTooLargeError:
                 pass  # over the server's limit (refused whole, nothing stored): stream
         if reply is None:
             raws = [item[0] if len(item) == 1 else b"".join(item) for item in parts]
-            reply = self._call("put", lambda: self._put_raw(iter(raws), timeout=timeout,
-                                                            metadata=self._metadata))
+            reply = self._call("put", lambda deadline: self._put_raw(
+                iter(raws), timeout=deadline, metadata=self._metadata))
         rejected = [Rejection(r.index, r.trajectory_id, r.field, r.message)
                     for r in reply.rejections]
         result = PutResult(list(reply.accepted_ids), list(reply.duplicate_ids), rejected)
@@ -222,8 +265,9 @@ class QueueClient:
 
     def should_pause(self, worker_version: int) -> PauseDecision:
         """Whether a worker at ``worker_version`` should stop generating (would be wasted)."""
-        r = self._call("should_pause", lambda: self._stub.ShouldPause(
-            pb2.ShouldPauseRequest(worker_version=worker_version), metadata=self._metadata))
+        r = self._call("should_pause", lambda deadline: self._stub.ShouldPause(
+            pb2.ShouldPauseRequest(worker_version=worker_version), timeout=deadline,
+            metadata=self._metadata))
         return PauseDecision(**{f.name: getattr(r, f.name)
                                 for f in dataclasses.fields(PauseDecision)})
 
@@ -254,21 +298,22 @@ class QueueClient:
             request.max_lag = max_lag
         if batch_rows is not None:
             request.batch_rows = batch_rows
-        raw = self._call("get_batch", lambda: self._get_raw(
-            request, timeout=timeout + 60.0, metadata=self._metadata))
+        raw = self._call("get_batch", lambda deadline: self._get_raw(
+            request, timeout=deadline, metadata=self._metadata), wait_s=timeout,
+            idempotent=False)
         trajs, cursor, dropped = decode_batch_reply(raw, compact_routes=self.compact_routes)
         return TrajectoryBatch(trajs, cursor, dropped)
 
     def ack(self, cursor: int) -> int:
         """Consumes every batch delivered to this client up to and including the one with
         ``cursor`` (cursors grow with each delivery); returns how many trajectories."""
-        return self._call("ack", lambda: self._stub.Ack(
-            pb2.AckRequest(cursor=cursor, consumer_id=self.consumer_id),
+        return self._call("ack", lambda deadline: self._stub.Ack(
+            pb2.AckRequest(cursor=cursor, consumer_id=self.consumer_id), timeout=deadline,
             metadata=self._metadata)).acked
 
     def stats(self) -> dict[str, int]:
-        reply = self._call("stats", lambda: self._stub.Stats(pb2.StatsRequest(),
-                                                             metadata=self._metadata))
+        reply = self._call("stats", lambda deadline: self._stub.Stats(
+            pb2.StatsRequest(), timeout=deadline, metadata=self._metadata))
         return {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
 
     def wait_ready(self, timeout: float = 30.0) -> None:

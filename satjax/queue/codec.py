@@ -16,7 +16,10 @@ E <= 256 and to uint16 when E <= 65536, so a 1k-token response with 48 layers x 
 routes costs ~400 KB instead of 1.6 MB.
 
 Stricter than protobuf in one way: a singular field that occurs twice is an error (protobuf
-would merge), so what the server validates is what every reader sees.
+would merge), so what the server validates is what every reader sees. Fields this build
+does not know are skipped, as protobuf does, and listed (``TrajectoryView.unknown``): the
+server refuses them (:func:`satjax.queue.validation.validate`), since it cannot validate
+them and a newer trainer would read them.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def _check_wire(wire_types: Mapping[int, tuple[int, ...]], desc: Descriptor, fie
 
     Protobuf would keep such a field as an unknown one and read the declared field as its
     default (a ``policy_version`` sent as fixed64 would read as 0): refused instead, so
-    what the server validates is what the sender meant. Unknown fields stay allowed.
+    what the server validates is what the sender meant. Unknown fields are read past
+    (and listed: ``TrajectoryView.unknown``).
     """
     allowed = wire_types.get(field)
     if allowed is not None and wtype not in allowed:
@@ -229,22 +233,26 @@ class _Packed:
     (0 in the others).
     """
 
-    __slots__ = ("data", "dtype", "shape", "num_experts")
+    __slots__ = ("data", "dtype", "shape", "num_experts", "unknown")
     data: memoryview
     dtype: str
     shape: list[int]
     num_experts: int
+    unknown: list[int]  # numbers of the fields this build does not know
 
     def __init__(self, buf: memoryview, desc: Descriptor, numbers: Mapping[str, int],
                  wire_types: Mapping[int, tuple[int, ...]]):
         self.data, self.dtype, self.shape, self.num_experts = memoryview(b""), "", [], 0
+        self.unknown = []
         seen: set[int] = set()
         for field, wtype, value in iter_fields(buf):
             if field != numbers["shape"] and field in seen:
                 raise WireError(f"field {field} repeated")
             seen.add(field)
             _check_wire(wire_types, desc, field, wtype)
-            if field == numbers["data"] and wtype == LEN:
+            if field not in wire_types:
+                self.unknown.append(field)
+            elif field == numbers["data"] and wtype == LEN:
                 self.data = value
             elif field == numbers["dtype"] and wtype == LEN:
                 self.dtype = _text(value)
@@ -260,7 +268,8 @@ class TrajectoryView:
     __slots__ = ("schema_version", "trajectory_id", "group_id", "prompt_id", "group_size",
                  "prompt_tokens", "response_tokens", "behavior_logprobs", "policy_version",
                  "reward", "reward_details", "finish_reason", "routed_experts",
-                 "routed_gates", "router_logits", "token_versions", "engine", "timing")
+                 "routed_gates", "router_logits", "token_versions", "engine", "timing",
+                 "_unknown")
 
     def __init__(self, buf: bytes | memoryview):
         buf = memoryview(buf)
@@ -276,13 +285,16 @@ class TrajectoryView:
         self.routed_gates: _Packed | None = None
         self.router_logits: _Packed | None = None
         self.timing = _Timing()
+        self._unknown: list[str] = []
         seen: set[int] = set()
         for field, wtype, value in iter_fields(buf):
             if field != _REWARD_DETAILS and field in seen:
                 raise WireError(f"trajectory: field {field} repeated")
             seen.add(field)
             _check_wire(_TRAJ_WIRE, pb2.Trajectory.DESCRIPTOR, field, wtype)
-            if wtype == LEN:
+            if field not in _TRAJ_WIRE:
+                self._unknown.append(str(field))
+            elif wtype == LEN:
                 if field in _STRING_FIELDS:
                     setattr(self, _STRING_FIELDS[field], _text(value))
                 elif field in _ARRAY_FIELDS:
@@ -318,6 +330,14 @@ class TrajectoryView:
 
     def HasField(self, name: str) -> bool:  # noqa: N802 - mirrors the protobuf API
         return getattr(self, name) is not None
+
+    @property
+    def unknown(self) -> list[str]:
+        """The fields this build does not know, by number (``routed_gates.9`` for one in a
+        sub-message), as a newer writer's schema may add them."""
+        return self._unknown + [f"{name}.{n}" for name in ("routed_experts", "routed_gates",
+                                                           "router_logits")
+                                if (p := getattr(self, name)) is not None for n in p.unknown]
 
 
 def _packed_array(p: _Packed | None, dtypes: Mapping[str, np.dtype]) -> np.ndarray | None:

@@ -12,6 +12,7 @@ import math
 from typing import TypeAlias
 
 import numpy as np
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from satjax.queue._proto import pb2
 from satjax.queue.codec import (
@@ -315,9 +316,34 @@ def _check_versions(msg: TrajectoryLike, n: int, limits: Limits) -> Problem | No
     return None
 
 
+def unknown_fields(msg: TrajectoryLike) -> list[str]:
+    """The fields of ``msg`` and of its router record this build does not know, by number
+    (``routed_gates.9`` inside one): what a newer worker's schema added."""
+    if isinstance(msg, TrajectoryView):
+        return msg.unknown
+    out = [str(f.field_number) for f in UnknownFieldSet(msg)]
+    for name in ("routed_experts", "routed_gates", "router_logits"):
+        if msg.HasField(name):
+            out += [f"{name}.{f.field_number}" for f in UnknownFieldSet(getattr(msg, name))]
+    return out
+
+
+def _check_unknown(msg: TrajectoryLike) -> Problem | None:
+    """Refuses fields this queue does not know: it could not validate them, an older
+    trainer would drop them unseen and a newer one read them unchecked. A rolling upgrade
+    upgrades the queue (and the trainer) before the workers."""
+    unknown = unknown_fields(msg)
+    if not unknown:
+        return None
+    return Problem("unknown fields",
+                   f"field(s) {', '.join(unknown)} unknown to this queue (schema "
+                   f"{SCHEMA_VERSION} as this build has it): the record is from a newer "
+                   f"worker; upgrade the queue (and the trainer) before the workers")
+
+
 def validate(msg: TrajectoryLike, limits: Limits) -> Problem | None:
     """First problem found in ``msg`` (None when valid). Rows of routes/logits = P+N-1."""
-    bad = _check_ids(msg, limits)
+    bad = _check_unknown(msg) or _check_ids(msg, limits)
     if bad:
         return bad
     p, n, bad = _check_tokens(msg, limits)

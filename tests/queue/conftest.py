@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import queue_testlib
 
-from satjax.queue.client import QueueClient
+from satjax.queue.client import NO_RETRY, QueueClient
 from satjax.queue.server import QueueServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,8 +132,8 @@ class Harness:
         self.port = self.server.start(0)
         return self.client()
 
-    def client(self, token=None, **kw):
-        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retries=0, **kw)
+    def client(self, token=None, retry=NO_RETRY, **kw):
+        c = QueueClient(f"127.0.0.1:{self.port}", token=token or self.token, retry=retry, **kw)
         self.clients.append(c)
         return c
 

@@ -11,7 +11,7 @@ import time
 
 from queue_testlib import TOKEN, make_traj
 
-from satjax.queue.client import QueueClient
+from satjax.queue.client import QueueClient, RetryPolicy
 
 
 def main() -> None:
@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--log", required=True)
     ap.add_argument("--version", type=int, default=0)
     a = ap.parse_args()
-    client = QueueClient(a.address, token=TOKEN, retries=60, backoff_s=0.05, max_backoff_s=0.5)
+    client = QueueClient(a.address, token=TOKEN,
+                         retry=RetryPolicy(retries=60, backoff_s=0.05, max_backoff_s=0.5))
     with open(a.log, "a") as log:
         for start in range(0, a.count, a.batch):
             trajs = [make_traj(f"{a.prefix}-{i}", f"{a.prefix}-g{i // a.group_size}",

@@ -9,7 +9,7 @@ import time
 import pytest
 from queue_testlib import stop
 
-from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError
+from satjax.queue.client import QueueClient, QueueError, QueueUnavailableError, RetryPolicy
 from satjax.utils import free_port
 
 
@@ -25,7 +25,8 @@ def test_kill9_mid_stream_loses_nothing_and_redelivers_no_ack(
     server = start_server(data, port, *extra)
     log = tmp_path / "acknowledged.txt"
     producer = start_producer(address, "p", 300, log)
-    client = QueueClient(address, token=token, retries=80, backoff_s=0.05, max_backoff_s=0.5)
+    client = QueueClient(address, token=token,
+                         retry=RetryPolicy(retries=80, backoff_s=0.05, max_backoff_s=0.5))
     acked: collections.Counter[str] = collections.Counter()
     held: list[str] = []
     deadline = time.monotonic() + 120
@@ -73,7 +74,7 @@ def test_three_producers_one_consumer_exact_totals(tmp_path, token, start_server
     logs = [tmp_path / f"p{i}.txt" for i in range(3)]
     producers = [start_producer(address, f"w{i}", 60, logs[i], batch=6, group_size=3)
                  for i in range(3)]
-    client = QueueClient(address, token=token, retries=20)
+    client = QueueClient(address, token=token, retry=RetryPolicy(retries=20))
     received: collections.Counter[str] = collections.Counter()
     groups_seen: collections.Counter[str] = collections.Counter()
     try:

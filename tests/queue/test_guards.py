@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from queue_testlib import one_line, stop
 
-from satjax.queue._proto import SERVICE
-from satjax.queue.client import QueueClient, QueueLeaseError
+from satjax.queue._proto import SERVICE, pb2
+from satjax.queue.client import NO_RETRY, QueueClient, QueueLeaseError
 from satjax.queue.codec import PUT_BATCH_TRAJECTORIES, encode, join_messages
 from satjax.queue.core import QueueSettings
+from satjax.queue.validation import Limits, validate
 from satjax.utils import free_port
 
 LIMITS = ("--vocab-size", "1000", "--num-experts", "8", "--moe-layers", "2", "--top-k", "2",
@@ -73,7 +74,7 @@ def test_every_poison_value_is_refused_by_a_server_with_model_limits(
     server = start_server(tmp_path / "q", port, *LIMITS)
     poisons = _poisons(make_traj)
     try:
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as c:
             good = [make_traj(f"ok-{i}", "ok", group_size=2, seed=i) for i in range(2)]
             result = c.put(good + [t for t, _ in poisons.values()])
             assert sorted(result.accepted) == ["ok-0", "ok-1"]
@@ -90,7 +91,7 @@ def test_versions_are_64_bit_end_to_end(tmp_path, token, make_group, start_serve
     port, big = free_port(), 2**31 + 5
     server = start_server(tmp_path / "q", port)
     try:
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as c:
             c.put(make_group("old", 2, version=0))
             c.put(make_group("new", 2, version=big))  # before any trainer: not "future"
             batch = c.get_batch(4, 0, max_lag=0)
@@ -103,7 +104,7 @@ def test_versions_are_64_bit_end_to_end(tmp_path, token, make_group, start_serve
             c.put(make_group("last", 2, version=big + 1))
         stop(server)
         server = start_server(tmp_path / "q", port)  # the trainer version survives too
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as c:
             assert c.stats()["trainer_version"] == big
             assert len(c.get_batch(2, big, max_lag=10).trajectories) == 2
     finally:
@@ -190,7 +191,7 @@ def test_unauthenticated_24mb_put_is_refused_before_parsing(
             outcome["code"] = e.code()
 
     try:
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as c:
             c.stats()
             before = cpu_seconds(server.pid)
             t = threading.Thread(target=flood)
@@ -276,3 +277,36 @@ def test_ack_of_the_last_cursor_covers_batches_after_out_of_order_groups(
     client = h.restart()
     assert client.get_batch(2, 0, allow_partial=True, redeliver_unacked=True).trajectories == []
     np.testing.assert_equal(client.stats()["watermark"], 4)
+
+
+def test_a_record_with_fields_this_queue_does_not_know_is_refused_naming_them(harness,
+                                                                               make_traj):
+    """A newer worker's record, otherwise valid for the run's queue (its router record
+    complete), with a field this build does not know at the top or inside its gates: refused
+    at put naming the fields and the upgrade order, never stored or delivered (protobuf
+    would have kept them unseen). The same rule on a protobuf message."""
+    limits = Limits(vocab_size=1000, num_experts=8, moe_layers=2, top_k=2, group_size=2,
+                    required=("routed_experts", "routed_gates"), refused=("router_logits",))
+    h, client = harness(settings=QueueSettings(limits=limits))
+
+    def member(group, i):
+        return encode(make_traj(f"{group}-{i}", group, group_size=2, gates=True, seed=i))
+
+    newer_top = member("n", 0) + bytes([0x98, 0x06, 1])  # key 99 << 3 (a varint), then 1
+    msg = pb2.Trajectory.FromString(member("n", 1))
+    msg.routed_gates.MergeFromString(bytes([9 << 3 | 0, 1]))  # field 9 of RoutedGates
+    newer_gates = msg.SerializeToString()
+    result = client.put([member("ok", 0), newer_top, newer_gates, member("ok", 1)])
+    assert result.accepted == ["ok-0", "ok-1"]
+    assert [(r.trajectory_id, r.field) for r in result.rejected] == [
+        ("n-0", "unknown fields"), ("n-1", "unknown fields")]
+    assert "field(s) 99 unknown to this queue" in result.rejected[0].message
+    assert "field(s) routed_gates.9 unknown" in result.rejected[1].message
+    assert "upgrade the queue (and the trainer) before the workers" in result.rejected[0].message
+    got = client.get_batch(2, 0)
+    assert sorted(t.trajectory_id for t in got.trajectories) == ["ok-0", "ok-1"]
+    client.ack(got.cursor)
+    assert client.stats()["pending"] == 0
+    bad = validate(pb2.Trajectory.FromString(newer_top), limits)
+    assert bad is not None and bad.field == "unknown fields" and "99" in bad.message
+    assert validate(pb2.Trajectory.FromString(member("ok", 2)), limits) is None

@@ -4,6 +4,8 @@ call whose caller is gone is handed nothing."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import socket
 import statistics
 import threading
 import time
@@ -11,10 +13,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from queue_testlib import TOKEN
+from queue_testlib import TOKEN, make_traj
 
 from satjax.queue._proto import SERVICE, pb2
-from satjax.queue.client import QueueClient, QueueError
+from satjax.queue.client import QueueClient, QueueError, QueueTimeoutError, RetryPolicy
 from satjax.queue.codec import encode
 from satjax.queue.core import TrajectoryQueue
 from satjax.queue.server import IdleStreams, QueueService
@@ -87,7 +89,7 @@ def test_put_streams_that_send_nothing_do_not_stall_puts_or_stats(harness, bad_c
     bad.silent_puts(20)
     time.sleep(0.5)  # the streams are open on the server
     t0 = time.monotonic()
-    assert client.put(make_group("g", 2), timeout=5).accepted == ["g-0", "g-1"]
+    assert client.put(make_group("g", 2)).accepted == ["g-0", "g-1"]
     assert client.stats()["pending"] == 2
     assert time.monotonic() - t0 < 2.0
     for call in bad.calls:  # cut by the server, not by their own 600 s deadline
@@ -107,7 +109,7 @@ def test_get_batch_calls_whose_callers_gave_up_do_not_keep_server_threads(
     bad.abandoned_gets(20, client.consumer_id)
     time.sleep(2.0)  # every caller has given up
     t0 = time.monotonic()
-    assert client.put(make_group("g", 2), timeout=5).accepted == ["g-0", "g-1"]
+    assert client.put(make_group("g", 2)).accepted == ["g-0", "g-1"]
     assert time.monotonic() - t0 < 2.0
 
 
@@ -180,7 +182,7 @@ def test_a_waiting_get_batch_gives_way_to_a_newer_call_of_its_consumer(harness, 
 def _cycle(client, make_group, i: int) -> float:
     """One well-behaved worker put of a group plus the trainer's GetBatch of it, in s."""
     t0 = time.perf_counter()
-    client.put(make_group(f"w{i}", 2), timeout=10)
+    client.put(make_group(f"w{i}", 2))
     got = client.get_batch(2, 0, timeout=10)
     assert len(got.trajectories) == 2
     client.ack(got.cursor)
@@ -240,5 +242,64 @@ def test_a_call_beyond_the_servers_threads_is_refused_at_once_and_retried(
     time.sleep(0.3)
     with pytest.raises(QueueError, match="RESOURCE_EXHAUSTED"):
         h.client().stats()  # retries=0: refused, at once
-    with QueueClient(f"127.0.0.1:{h.port}", token=TOKEN, retries=8) as patient:
-        assert patient.put(make_group("g", 2), timeout=5).accepted == ["g-0", "g-1"]
+    with QueueClient(f"127.0.0.1:{h.port}", token=TOKEN,
+                     retry=RetryPolicy(retries=8, deadline_s=5)) as patient:
+        assert patient.put(make_group("g", 2)).accepted == ["g-0", "g-1"]
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never sends a byte: a
+    queue host whose process is stopped (SIGSTOP, a wedged event loop) still looks so."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_queue_that_accepts_and_never_answers_fails_each_call_within_its_deadlines(caplog):
+    """Every call (a worker's put and should_pause, the trainer's ack and stats) ends
+    within tries x deadline_s plus the backoff, as QueueTimeoutError, with one log line per
+    retry; a GetBatch after its one try (not retried past its deadline). Before, a put to
+    such a server never returned."""
+    server = SilentServer()
+    policy = RetryPolicy(retries=2, backoff_s=0.05, deadline_s=0.5)
+    calls = {"put": lambda c: c.put([make_traj("t", "g", group_size=1)]),
+             "should_pause": lambda c: c.should_pause(0),
+             "ack": lambda c: c.ack(1),
+             "stats": lambda c: c.stats(),
+             "get_batch": lambda c: c.get_batch(1, 0)}
+    try:
+        with QueueClient(f"127.0.0.1:{server.port}", token=TOKEN, retry=policy) as client, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for name, call in calls.items():
+                retried = policy.retries if name != "get_batch" else 0
+                budget = (retried + 1) * policy.deadline_s + 0.05 * (2 ** retried - 1)
+                caplog.clear()
+                t0 = time.monotonic()
+                future = pool.submit(call, client)
+                # bounded: a call without a deadline would hang the test, not fail it
+                with pytest.raises(QueueTimeoutError, match=f"{name} on .*DEADLINE_EXCEEDED"):
+                    future.result(timeout=budget + 10)
+                took = time.monotonic() - t0
+                assert budget - 0.1 <= took < budget + 1.5, (name, took)
+                retries = [r.getMessage() for r in caplog.records
+                           if r.name == "satjax.queue.client"]
+                assert len(retries) == retried, (name, retries)
+                assert all(f"{name} failed (DEADLINE_EXCEEDED" in m for m in retries), retries
+    finally:
+        server.close()

@@ -16,6 +16,7 @@ from satjax.queue.client import (
     QueueTooLargeError,
     QueueUnavailableError,
     QueueValidationError,
+    RetryPolicy,
 )
 from satjax.queue.core import QueueSettings
 from satjax.queue.server import QueueServer
@@ -416,7 +417,7 @@ def test_unavailable_is_retried_then_reported(tmp_path, token):
     from satjax.utils import free_port
 
     port = free_port()
-    c = QueueClient(f"127.0.0.1:{port}", token=token, retries=2, backoff_s=0.01)
+    c = QueueClient(f"127.0.0.1:{port}", token=token, retry=RetryPolicy(retries=2, backoff_s=0.01))
     t0 = time.monotonic()
     with pytest.raises(QueueUnavailableError):
         c.stats()
@@ -425,7 +426,8 @@ def test_unavailable_is_retried_then_reported(tmp_path, token):
         c.wait_ready(timeout=0.3)
     server = QueueServer(tmp_path, token)
     threading.Timer(0.3, lambda: server.start(port)).start()
-    c2 = QueueClient(f"127.0.0.1:{port}", token=token, retries=30, backoff_s=0.05)
+    c2 = QueueClient(f"127.0.0.1:{port}", token=token,
+                     retry=RetryPolicy(retries=30, backoff_s=0.05))
     try:
         assert c2.stats()["pending"] == 0  # succeeded after retrying while the server came up
     finally:

@@ -12,7 +12,7 @@ import pytest
 from queue_testlib import one_line, stop
 
 from satjax.queue import store
-from satjax.queue.client import QueueClient, QueueStorageError
+from satjax.queue.client import NO_RETRY, QueueClient, QueueStorageError, RetryPolicy
 from satjax.queue.core import TrajectoryQueue
 from satjax.queue.server import QueueServer
 from satjax.queue.store import DataDirError
@@ -46,7 +46,7 @@ def test_second_server_on_a_data_dir_is_refused_naming_the_holder(
 # -- a full disk ---------------------------------------------------------------------------
 def test_failed_write_is_rolled_back_and_puts_resume(tmp_path, token, make_traj, monkeypatch):
     server = QueueServer(tmp_path / "q", token)
-    client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retries=0)
+    client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retry=NO_RETRY)
     real_write = store.writev_all
     full = {"on": False}
 
@@ -71,7 +71,7 @@ def test_failed_write_is_rolled_back_and_puts_resume(tmp_path, token, make_traj,
         server.stop(None)
         client.close()
         server = QueueServer(tmp_path / "q", token)
-        client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retries=0)
+        client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retry=NO_RETRY)
         assert all_ids(client)[0] == ["a", "b", "c"]
         assert client.stats()["quarantined_total"] == 0  # the log stayed well-formed
     finally:
@@ -98,7 +98,7 @@ def test_full_disk_refuses_puts_then_resumes_and_loses_nothing(
     address = f"127.0.0.1:{port}"
     filler = small_disk / "filler"
     server = start_server(data, port, "--fsync", "always")
-    client = QueueClient(address, token=token, retries=1, backoff_s=0.01)
+    client = QueueClient(address, token=token, retry=RetryPolicy(retries=1, backoff_s=0.01))
     acknowledged, refused = [], 0
     try:
         filler.write_bytes(b"\0" * (2 << 20))  # leaves about 1 MiB for the queue
@@ -172,7 +172,7 @@ def consumed_queue(tmp_path, token, make_traj):
     """A data dir holding t0..t3, t0 and t1 consumed."""
     data = tmp_path / "queue"
     server = QueueServer(data, token)
-    with QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retries=0) as c:
+    with QueueClient(f"127.0.0.1:{server.start(0)}", token=token, retry=NO_RETRY) as c:
         c.put([make_traj(f"t{i}", f"g{i}") for i in range(4)])
         c.ack(c.get_batch(2, 0).cursor)
     server.stop(None)
@@ -197,7 +197,7 @@ def test_bad_consumer_state_stops_the_server_with_a_recovery(
     port = free_port()
     server = start_server(consumed_queue, port, "--reset-consumer-state")
     try:
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as c:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as c:
             # reset: everything still in the log is delivered again, nothing dropped
             assert all_ids(c)[0] == ["t0", "t1", "t2", "t3"]
     finally:

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from satjax.queue.client import QueueClient, QueueUnavailableError
+from satjax.queue.client import NO_RETRY, QueueClient, QueueUnavailableError
 from satjax.queue.server import QueueServer
 
 
@@ -57,7 +57,7 @@ def test_tls_round_trip_and_plaintext_refused(tmp_path, token, make_traj):
             assert c.put([make_traj("secure", "g")]).ok
             batch = c.get_batch(1, 0)
             assert [t.trajectory_id for t in batch.trajectories] == ["secure"]
-        with QueueClient(f"127.0.0.1:{port}", token=token, retries=0) as plain:
+        with QueueClient(f"127.0.0.1:{port}", token=token, retry=NO_RETRY) as plain:
             with pytest.raises(QueueUnavailableError):
                 plain.stats()
     finally:

@@ -19,7 +19,7 @@ import pytest
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.tasks import ArithmeticTask
 from satjax.model.tokenizer import CharTokenizer
-from satjax.queue.client import QueueClient, QueueUnavailableError
+from satjax.queue.client import NO_RETRY, QueueClient, QueueUnavailableError
 from satjax.queue.protocol import TOKEN_ENV, PauseDecision, PutResult
 from satjax.rollout.engine import Completion, SamplingParams
 from satjax.rollout.worker import QueueRejectedError, RolloutWorker, WorkerConfig
@@ -105,7 +105,7 @@ def test_a_restarted_queue_gets_the_held_group_exactly_once(tmp_path, caplog):
     address = f"127.0.0.1:{port}"
     try:
         # retries=0: every failed call is the worker's to retry (and to log)
-        with QueueClient(address, token=TOKEN, retries=0) as client, \
+        with QueueClient(address, token=TOKEN, retry=NO_RETRY) as client, \
                 QueueClient(address, token=TOKEN) as trainer:
             worker = RolloutWorker(FakeEngine(tok, outage), task, tok, client,
                                    _weights(tmp_path), iter(prompt_dataset(task, seed=0)),

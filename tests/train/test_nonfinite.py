@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from satjax.train.batch import make_batch
+from satjax.trajectory import Trajectory
+
 
 def _poison(batch, how):
     if how == "reward_1e308":
@@ -83,3 +86,25 @@ def test_a_batch_without_active_tokens_skips_the_update(cached_step, make_state,
     for prefix in ("model", "optimizer"):
         assert any(not np.array_equal(a, b) for (p, a), (_, b)
                    in zip(_leaves(after), moved, strict=True) if p.startswith(prefix)), prefix
+
+
+@pytest.mark.slow
+def test_a_batch_whose_rows_are_all_masked_as_overlong_reports_lag_max_0(cached_step,
+                                                                         make_state, host):
+    """``rollout.overlong: mask`` with every response cut at max_new_tokens: make_batch
+    masks every row, and the step reports ``lag_max`` 0 (a max over no row was -inf, no
+    JSON number), with the update skipped as for any batch without an active token."""
+    r = np.random.default_rng(0)
+    trajs = [Trajectory(trajectory_id=f"t{i}", group_id=f"g{i // 4}", prompt_id=f"p{i // 4}",
+                        prompt_tokens=r.integers(3, 50, 4).astype(np.int32),
+                        response_tokens=r.integers(3, 50, 6).astype(np.int32),
+                        behavior_logprobs=np.full(6, -2.0, np.float32), policy_version=0,
+                        reward=float(i % 2), group_size=4, finish_reason="length")
+             for i in range(8)]
+    batch = make_batch(trajs, buckets=[16], mask_truncated=True)
+    assert not batch.loss_mask.any()
+    step = cached_step()
+    state = step.place_state(nnx.split(make_state(0))[1])
+    _, m = step(state, step.place_batch(batch))
+    assert float(m["empty_steps"]) == 1.0
+    assert float(m["lag_max"]) == 0.0 and float(m["lag_mean"]) == 0.0
