@@ -16,6 +16,7 @@ rule until it is (down to full replication), so odd shapes never crash sharding.
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import logging
 import math
@@ -40,6 +41,7 @@ __all__ = [
     "batch_sharding",
     "constrain",
     "data_parallel_size",
+    "gpu_target_config",
     "init_distributed",
     "logical_to_spec",
     "make_mesh",
@@ -90,10 +92,27 @@ TPU_TOPOLOGY_OPTIONS: dict[str, dict[str, str]] = {
     "v4": {"chip_config_name": "megacore"}, "v5e": {}, "v5p": {}, "v6e": {}}
 
 
+# GPUs as ``satjax plan --topology`` names them (``h100:N``: N GPUs, hosts of 8 beyond 8):
+# the XLA:GPU target config (package data: satjax/gpu_targets) the compiler builds for.
+GPU_TARGET_CONFIGS: dict[str, str] = {"h100": "h100_sxm.txtpb"}
+GPUS_PER_HOST = 8
+# what a deviceless XLA:GPU compile needs: JAX's CUDA plugin and, for its cuDNN attention
+# lowering, libcudnn
+GPU_PLAN_INSTALL = "pip install 'satjax[gpu-plan]'"
+
+
 def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     """``"v5p:4x4x4"`` -> ``("v5p", (4, 4, 4))``: the generation and the chips along each
-    axis. Raises ValueError (one line) for anything else."""
+    axis; ``"h100:64"`` -> ``("h100", (64,))``: 64 GPUs. Raises ValueError (one line) for
+    anything else, a GPU count above 8 that is not whole hosts of 8 included."""
     gen, _, shape = topology.partition(":")
+    if gen in GPU_TARGET_CONFIGS:
+        n = int(shape) if shape.isdigit() else 0
+        if n < 1 or (n > GPUS_PER_HOST and n % GPUS_PER_HOST):
+            raise ValueError(f"topology {topology!r}: expected {gen}:N with N <= "
+                             f"{GPUS_PER_HOST} GPUs (one host) or a multiple of "
+                             f"{GPUS_PER_HOST} (hosts of {GPUS_PER_HOST}), e.g. {gen}:64")
+        return gen, (n,)
     dims = shape.split("x")
     if gen not in TPU_TOPOLOGY_OPTIONS or not all(d.isdigit() and int(d) > 0 for d in dims):
         raise ValueError(f"topology {topology!r}: expected GENERATION:AxB[xC] with a "
@@ -101,24 +120,48 @@ def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
     return gen, tuple(int(d) for d in dims)
 
 
-def topology_devices(topology: str) -> list[jax.Device]:
-    """The devices of a named TPU slice (``"v5p:4x4x4"``, ``"v5e:2x2"``, ``"v6e:8x8"``,
-    ``"v4:2x2x1"``): one per chip, for an ahead-of-time compile by the TPU compiler on any
-    host, no TPU needed (libtpu, the ``tpu`` extra; ``jax.experimental.topologies``).
-    :func:`make_mesh` builds a mesh over them; arrays cannot be placed on them.
+def gpu_target_config(gen: str) -> str:
+    """The packaged XLA:GPU target config (text ``stream_executor.GpuTargetConfigProto``) of
+    a GPU generation of :data:`GPU_TARGET_CONFIGS`."""
+    return (importlib.resources.files("satjax") / "gpu_targets"
+            / GPU_TARGET_CONFIGS[gen]).read_text(encoding="utf-8")
 
-    Raises ValueError (one line) for an unknown generation or shape, or without libtpu.
+
+def topology_devices(topology: str, target_config: str | None = None) -> list[jax.Device]:
+    """The devices of a named TPU slice (``"v5p:4x4x4"``, ``"v5e:2x2"``, ``"v6e:8x8"``,
+    ``"v4:2x2x1"``) or GPU cluster (``"h100:8"``, ``"h100:64"``: 8 hosts of 8): one per
+    chip, for an ahead-of-time compile on any host, no accelerator needed, by the TPU
+    compiler (libtpu, the ``tpu`` extra) or XLA:GPU (the CUDA plugin and cuDNN, the
+    ``gpu-plan`` extra; ``target_config``: another GPU's text
+    ``stream_executor.GpuTargetConfigProto`` instead of the packaged one);
+    ``jax.experimental.topologies``. :func:`make_mesh` builds a mesh over them; arrays
+    cannot be placed on them.
+
+    Raises ValueError (one line) for an unknown generation or shape, or without the
+    compiler.
     """
     from jax.experimental import topologies
 
-    gen, _ = parse_topology(topology)
-    if importlib.util.find_spec("libtpu") is None:
-        raise ValueError(f"topology {topology!r}: needs the TPU compiler (libtpu): "
-                         f"pip install 'satjax[tpu]'")
+    gen, dims = parse_topology(topology)
+    if gen in GPU_TARGET_CONFIGS:
+        (n,) = dims
+        if importlib.util.find_spec("jax_cuda12_plugin") is None:
+            raise ValueError(f"topology {topology!r}: needs the XLA:GPU compiler (JAX's CUDA "
+                             f"plugin): {GPU_PLAN_INSTALL}")
+        platform = "cuda"
+        # "<partitions>x<hosts>x<devices per host>" (XLA's TopologySizes)
+        hosts = max(n // GPUS_PER_HOST, 1)
+        kwargs = {"target_config": target_config or gpu_target_config(gen),
+                  "topology": f"1x{hosts}x{n // hosts}"}
+    else:
+        if importlib.util.find_spec("libtpu") is None:
+            raise ValueError(f"topology {topology!r}: needs the TPU compiler (libtpu): "
+                             f"pip install 'satjax[tpu]'")
+        platform = "tpu"
+        kwargs = {"topology_name": topology, **TPU_TOPOLOGY_OPTIONS[gen]}
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                            **TPU_TOPOLOGY_OPTIONS[gen])
-    except Exception as e:  # noqa: BLE001 - libtpu's errors are many lines; keep the first
+        desc = topologies.get_topology_desc(platform=platform, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the compilers' errors are many lines; keep one
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"topology {topology!r}: {first}") from None
     return list(desc.devices)

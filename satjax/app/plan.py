@@ -1,24 +1,28 @@
 """``satjax plan``: will this run fit the chips it targets, and how fast can its step be?
 
     satjax plan --config configs/qwen3-30b-a3b.yaml --topology v5p:4x4x4 [--seq-len 32768]
+    satjax plan --config configs/qwen3-30b-a3b.yaml --topology h100:64
 
-Compiles the run's own programs for a named TPU slice on this host, no TPU needed (the TPU
-compiler, libtpu: ``pip install 'satjax[tpu]'``; ``--platform cpu``: XLA:CPU over as many
-emulated devices instead): the train step (``satjax.train.memory.compile_step``: the
-config's objective, replay, remat, mesh, one ``--seq-len`` sequence per chip per
-micro-step) and the built-in sampler's prefill (the eval forward over ``eval.num_prompts
-x eval.k`` prompts) and decode loop. Nothing is allocated. Printed per chip: XLA's
-arguments, temporaries and peak against the chip's HBM; the step's model FLOPs and a
-roofline step time at ``--mfu``; every collective of the optimised program (kind, count,
-bytes per step, loop iterations included) and its time at the chip's ICI bandwidth. A
-step that does not fit is recompiled with a short list of alternatives (full remat, a
-scanned layer stack, other fsdp x expert splits) until one fits, and that one is named.
+Compiles the run's own programs for a named TPU slice or H100 cluster on this host, no
+accelerator needed (the TPU compiler, libtpu: ``pip install 'satjax[tpu]'``; XLA:GPU for
+``h100:N`` GPUs, hosts of 8 beyond 8: ``pip install 'satjax[gpu-plan]'``, which builds for
+the packaged target config satjax/gpu_targets/h100_sxm.txtpb or ``--target-config``'s;
+``--platform cpu``: XLA:CPU over as many emulated devices instead): the train step
+(``satjax.train.memory.compile_step``: the config's objective, replay, remat, mesh, one
+``--seq-len`` sequence per chip per micro-step) and the built-in sampler's prefill (the
+eval forward over ``eval.num_prompts x eval.k`` prompts) and decode loop. Nothing is
+allocated. Printed per chip: XLA's arguments, temporaries and peak against the chip's HBM;
+the step's model FLOPs and a roofline step time at ``--mfu``; every collective of the
+optimised program (kind, count, bytes per step, loop iterations included) and its time at
+the chip's interconnect bandwidth (TPU ICI, GPU NVLink). A step that does not fit is
+recompiled with a short list of alternatives (full remat, a scanned layer stack, other
+fsdp x expert splits) until one fits, and that one is named.
 
 Model FLOPs are analytic (``satjax.train.memory.model_flops_per_token``: 6 x active
 parameters + causal attention per token, plus the forwards the step adds: remat's
 recompute, the full-batch log-prob pass when ``grad_accum > 1``, the reference policy's):
 XLA's ``cost_analysis()`` counts a loop body once (the scanned layers, the micro-steps),
-so its figure is printed beside as what it is.
+so its figure is printed beside as what it is (XLA:GPU's deviceless compile has none).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -45,7 +50,9 @@ class Chip:
     hbm_gbps: float        # HBM bandwidth, GB/s
     ici_gbps: float | None  # inter-chip interconnect, GB/s per chip, both directions
     source: str
-    accelerator_type: str   # a slice of it as Cloud names it (libtpu's TPU_ACCELERATOR_TYPE)
+    # a TPU slice of it as Cloud names it (libtpu's TPU_ACCELERATOR_TYPE); None for a GPU
+    accelerator_type: str | None = None
+    link: str = "ICI"  # the interconnect's name
 
 
 # Google Cloud's TPU pages (per-chip "key specifications" tables, read 2026-12)
@@ -57,6 +64,10 @@ CHIPS: dict[str, Chip] = {
                 "v5p-8"),
     "v6e": Chip("TPU v6e", 32, 918, 1638, 800, "https://cloud.google.com/tpu/docs/v6e",
                 "v6e-4"),
+    # NVIDIA's H100 page, SXM column (dense bf16: half the with-sparsity 1,979), NVLink 4:
+    # 900 GB/s per GPU within a host; between hosts InfiniBand is slower (docs/parallel.md)
+    "h100": Chip("NVIDIA H100 SXM", 80, 989, 3350, 900,
+                 "https://www.nvidia.com/en-us/data-center/h100/", link="NVLink"),
 }
 DEFAULT_MFU = 0.4  # a well-tuned large MoE step; state your own with --mfu
 
@@ -64,11 +75,12 @@ DEFAULT_MFU = 0.4  # a well-tuned large MoE step; state your own with --mfu
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="satjax plan", description="Compile a run's train step and sampler for a TPU "
-        "slice (no TPU needed) and print per-chip memory, FLOPs, collectives and a "
-        "roofline step time.")
+        "slice or H100 cluster (no accelerator needed) and print per-chip memory, FLOPs, "
+        "collectives and a roofline step time.")
     ap.add_argument("--config", help="a satjax YAML config (default: the tiny run)")
     ap.add_argument("--topology", required=True,
-                    help="TPU slice as JAX names it: v4:2x2x1, v5e:2x2, v5p:4x4x4, v6e:8x8")
+                    help="TPU slice as JAX names it (v4:2x2x1, v5e:2x2, v5p:4x4x4, v6e:8x8) "
+                         "or h100:N, N H100 GPUs (hosts of 8 beyond 8: h100:64)")
     ap.add_argument("--seq-len", type=int, default=0,
                     help="tokens per sequence (default: the bucket of the config's longest "
                          "trajectory)")
@@ -76,9 +88,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="sequences per chip per micro-step (default: %(default)s)")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     metavar="KEY=VALUE", help="override a config key (repeatable)")
-    ap.add_argument("--platform", choices=("tpu", "cpu"), default="tpu",
-                    help="tpu: libtpu's compiler for the slice; cpu: XLA:CPU over as many "
-                         "emulated devices (the older estimate)")
+    ap.add_argument("--platform", choices=("tpu", "cuda", "cpu"),
+                    help="tpu: libtpu's compiler for the slice; cuda: XLA:GPU's for the "
+                         "GPUs; cpu: XLA:CPU over as many emulated devices (the older "
+                         "estimate); default: the topology's")
+    ap.add_argument("--target-config", metavar="FILE",
+                    help="XLA:GPU target config (text stream_executor.GpuTargetConfigProto) "
+                         "to compile for instead of the packaged H100 SXM one, e.g. one "
+                         "dumped on a real GPU (docs/parallel.md)")
     ap.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                     help="model FLOPs utilisation of the roofline (default: %(default)s)")
     ap.add_argument("--no-sampler", action="store_true",
@@ -97,19 +114,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from satjax.parallel import parse_topology  # jax is imported, no device touched
+    # jax is imported, no device touched
+    from satjax.parallel import GPU_TARGET_CONFIGS, parse_topology
 
     try:
-        chips = math.prod(parse_topology(args.topology)[1])
+        gen, dims = parse_topology(args.topology)
     except ValueError as e:
         print(f"satjax plan: {e}", file=sys.stderr)
         return 2
+    chips = math.prod(dims)
+    target = "cuda" if gen in GPU_TARGET_CONFIGS else "tpu"
+    args.platform = args.platform or target
+    if args.platform not in ("cpu", target):
+        print(f"satjax plan: --platform {args.platform}: {args.topology} is compiled by "
+              f"--platform {target} (or cpu)", file=sys.stderr)
+        return 2
+    if args.target_config and target != "cuda":
+        print(f"satjax plan: --target-config is for a GPU topology, not {args.topology}",
+              file=sys.stderr)
+        return 2
+    if args.target_config:
+        try:
+            with open(args.target_config, encoding="utf-8") as fh:
+                args.target_config = fh.read()
+        except OSError as e:
+            print(f"satjax plan: --target-config: {e}", file=sys.stderr)
+            return 2
     if args.platform == "cpu":  # before jax is imported: the emulated devices
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={chips}")
-    else:  # off a TPU VM libtpu probes the VM's metadata for these, printing 6 warnings
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE",
-                              CHIPS[args.topology.partition(":")[0]].accelerator_type)
+    elif args.platform == "tpu":  # off a TPU VM libtpu probes the VM's metadata for these,
+        # printing 6 warnings
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", CHIPS[gen].accelerator_type or "")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         # libtpu's lockfile keeps a second process off a host's TPU chips; a compile
         # touches none, so plans may run beside each other (and beside a training run)
@@ -130,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _plan(args, cfg, chips)
-    except ValueError as e:  # a topology libtpu refuses, a batch that holds no group
+    except ValueError as e:  # a topology the compiler refuses, a batch that holds no group
         print(f"satjax plan: {e}", file=sys.stderr)
         return 2
 
@@ -142,7 +178,28 @@ def _devices(args: argparse.Namespace, chips: int) -> list[Any]:
 
     if args.platform == "cpu":
         return jax.devices()[:chips]
-    return topology_devices(args.topology)
+    return topology_devices(args.topology, args.target_config)
+
+
+def _require_cudnn() -> None:
+    """JAX lowers cuDNN attention only with libcudnn loadable on this host, GPU or not."""
+    from jax._src.lib import cuda_versions  # the CUDA plugin's version probes
+
+    try:
+        if cuda_versions is None:
+            raise RuntimeError
+        cuda_versions.cudnn_get_version()
+    except RuntimeError:
+        from satjax.parallel import GPU_PLAN_INSTALL
+
+        raise ValueError(f"attention cudnn: JAX's cuDNN attention needs cuDNN on this host: "
+                         f"{GPU_PLAN_INSTALL} (or --set model.attention=blockwise)") from None
+
+
+def _device_memory(target_config: str) -> int | None:
+    """The device memory a GPU target config states (bytes), if it does."""
+    m = re.search(r"^\s*device_memory_size:\s*(\d+)", target_config, re.MULTILINE)
+    return int(m.group(1)) if m else None
 
 
 def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
@@ -153,20 +210,35 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
     from satjax.factory import build_tokenizer, model_config
     from satjax.model import DTYPES
     from satjax.model.attention import resolve_attention
+    from satjax.parallel import GPU_TARGET_CONFIGS, gpu_target_config
     from satjax.train.memory import StepMemory, compile_step
 
-    chip = CHIPS[args.topology.partition(":")[0]]
+    gen = args.topology.partition(":")[0]
+    chip = CHIPS[gen]
     longest = max_sequence_tokens(cfg)
     seq_len = args.seq_len or min(b for b in train_buckets(cfg) if b >= longest)
     tiny = cfg.model.preset == "tiny" and not cfg.model.path
     mcfg = model_config(cfg, build_tokenizer(cfg) if tiny else None)
-    devices = _devices(args, chips)
+    devices = _devices(args, chips)  # first: a missing compiler is the first thing to say
     # "auto" choices follow the mesh's devices (satjax.parallel.target_platform): printed
     # as the target resolves them, not as this host would
     attention = resolve_attention(cfg.model.attention, seq_len, devices[0].platform,
-                                  dtype=DTYPES[cfg.model.dtype])
-    compiler = (f"libtpu {_version('libtpu')} for {args.topology}" if args.platform == "tpu"
-                else f"XLA:CPU over {chips} emulated devices")
+                                  dtype=DTYPES[cfg.model.dtype], head_dim=mcfg.head_dim)
+    if attention == "cudnn":
+        _require_cudnn()
+    hbm_gib, hbm_from = chip.hbm_gib, chip.source
+    if args.platform == "cuda":
+        target_config = args.target_config or gpu_target_config(gen)
+        stated = _device_memory(target_config)
+        if stated:
+            hbm_gib = stated / GIB
+            hbm_from = ("--target-config's device_memory_size" if args.target_config else
+                        f"satjax/gpu_targets/{GPU_TARGET_CONFIGS[gen]}'s device_memory_size")
+    compiler = {
+        "tpu": f"libtpu {_version('libtpu')} for {args.topology}",
+        "cuda": f"XLA:GPU (jax-cuda12-plugin {_version('jax-cuda12-plugin')}, deviceless: "
+                f"no autotuning) for {args.topology}",
+        "cpu": f"XLA:CPU over {chips} emulated devices"}[args.platform]
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     say(f"plan: {mcfg.num_hidden_layers} layers, {mcfg.num_experts} experts top-"
         f"{mcfg.num_experts_per_tok}; mesh {_mesh(cfg)}, {args.micro_batch} x {seq_len} "
@@ -190,22 +262,25 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
         with open(args.hlo, "w") as fh:
             fh.write(hlo)
     coll = collectives(hlo, chips)
-    cost = compiled.cost_analysis() or {}
+    # None where the compiler has no cost model: XLA:GPU's compile-only executable
+    cost = compiled.cost_analysis()
+    xla_flops = float(cost["flops"]) if cost else None
     tokens = args.micro_batch * seq_len * cfg.train.grad_accum  # per chip per step
     flops = tokens * step_flops_per_token(cfg, mcfg, seq_len)
     compute_s = flops / (chip.bf16_tflops * 1e12 * args.mfu)
     comm_s = coll.traffic / (chip.ici_gbps * 1e9) if chip.ici_gbps else None
     step_s = max(compute_s, comm_s or 0.0)
-    hbm = chip.hbm_gib * GIB
+    hbm = hbm_gib * GIB
     fits = mem.peak <= hbm
     report: dict[str, Any] = {
         "topology": args.topology, "chips": chips, "compiler": compiler,
         "seq_len": seq_len, "micro_batch": args.micro_batch,
         "arguments_gib": mem.arguments / GIB, "temporaries_gib": mem.temporaries / GIB,
-        "peak_gib": mem.peak / GIB, "hbm_gib": chip.hbm_gib, "fits": fits,
+        "peak_gib": mem.peak / GIB, "hbm_gib": hbm_gib, "hbm_source": hbm_from, "fits": fits,
         "headroom_gib": (hbm - mem.peak) / GIB,
-        "step_flops": flops, "xla_flops_loop_bodies_once": float(cost.get("flops", 0.0)),
-        "xla_bytes_accessed_loop_bodies_once": float(cost.get("bytes accessed", 0.0)),
+        "step_flops": flops, "xla_flops_loop_bodies_once": xla_flops,
+        "xla_bytes_accessed_loop_bodies_once": (float(cost["bytes accessed"]) if cost
+                                                else None),
         "collective_bytes": coll.bytes, "collective_traffic_bytes": coll.traffic,
         "collectives": {c.kind: {"count": c.count, "bytes": c.bytes, "traffic": c.traffic}
                         for c in coll.by_kind},
@@ -214,22 +289,24 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
         "mfu": args.mfu, "tokens_per_s_per_chip": tokens / step_s,
         "chip_source": chip.source,
     }
-    say(f"train step, per chip ({chip.name}, {chip.hbm_gib:g} GiB HBM):")
+    say(f"train step, per chip ({chip.name}, {hbm_gib:g} GiB HBM):")
     say(f"  arguments {mem.arguments / GIB:.2f} GiB, outputs {mem.outputs / GIB:.2f} GiB "
         f"(donated {mem.aliased / GIB:.2f}), temporaries {mem.temporaries / GIB:.2f} GiB")
-    say(f"  peak {mem.peak / GIB:.2f} GiB of {chip.hbm_gib:g}: "
+    say(f"  peak {mem.peak / GIB:.2f} GiB of {hbm_gib:g}: "
         + (f"fits, {(hbm - mem.peak) / GIB:.2f} GiB headroom" if fits
            else f"DOES NOT FIT by {(mem.peak - hbm) / GIB:.2f} GiB"))
     say(f"  model FLOPs per step {flops:.4g} ({tokens} tokens; XLA's cost analysis, loop "
-        f"bodies once: {report['xla_flops_loop_bodies_once']:.4g})")
+        f"bodies once: " + (f"{xla_flops:.4g})" if xla_flops is not None else "n/a)"))
     say("  collectives per step (loop iterations included):")
     for c in coll.by_kind:
-        at = f", {c.traffic / (chip.ici_gbps * 1e9) * 1e3:.1f} ms at ICI" if chip.ici_gbps else ""
+        at = (f", {c.traffic / (chip.ici_gbps * 1e9) * 1e3:.1f} ms at {chip.link}"
+              if chip.ici_gbps else "")
         say(f"    {c.kind:<20} x{c.count:<6} {_size(c.bytes):>10} buffers, "
             f"{_size(c.traffic):>10} sent{at}")
     if coll.unknown_loops:
         say(f"    ({coll.unknown_loops} loops with a data-dependent trip count counted once)")
-    comm = f"{comm_s:.2f} s" if comm_s is not None else "n/a (no published ICI figure)"
+    comm = (f"{comm_s:.2f} s" if comm_s is not None
+            else f"n/a (no published {chip.link} figure)")
     say(f"  roofline: compute {compute_s:.2f} s at {args.mfu:.0%} of {chip.bf16_tflops:g} "
         f"TFLOP/s, collectives {comm}; step {step_s:.2f} s, "
         f"{tokens / step_s:.0f} tokens/s per chip")
@@ -238,7 +315,8 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
         report["fits_with"] = alt
     if not args.no_sampler:
         report["sampler"] = _sampler(cfg, mcfg, devices, hbm, say)
-    say(f"chip figures: {chip.source}")
+    say(f"chip figures: {chip.source}" + (f"; memory: {hbm_from}" if hbm_from != chip.source
+                                          else ""))
     if args.json:
         print(json.dumps(report, indent=1))
     return 0
