@@ -13,8 +13,9 @@ more rows where a micro-step must hold whole groups),
 runs ``--steps`` steps and prints each step's time and the device's peak bytes in use
 (``Device.memory_stats``; backends without it, e.g. CPU, print n/a). Then it compiles
 the same step for an emulated CPU mesh of the same size in a subprocess (the
-estimate the paper's figures come from) and prints both. scripts/device_check.sh runs it
-on the paper's config.
+estimate the paper's figures come from) and, on a GPU, ``satjax plan --topology h100:N``'s
+deviceless XLA:GPU compile of it for this GPU's own target config, and prints them all.
+scripts/device_check.sh runs it on the paper's config.
 """
 
 from __future__ import annotations
@@ -123,10 +124,44 @@ def main() -> None:
     if out.returncode or not found:
         sys.exit(f"device_check: the CPU estimate failed:\n{out.stdout}\n{out.stderr[-3000:]}")
     estimate = float(found.group(1))
-    line = f"CPU estimate (bench_memory.py, same step): {estimate:.2f} GiB"
-    if measured:
-        line += f"; measured / estimate {measured / GIB / estimate:.2f}"
-    print(line)
+    print(f"CPU estimate (bench_memory.py, same step): {estimate:.2f} GiB"
+          + _ratio(measured, estimate), flush=True)
+    if jax.default_backend() == "gpu":
+        micro_batch = rows // (parallel.data_parallel_size(mesh) * cfg.train.grad_accum)
+        _gpu_plan(args, overrides, n, micro_batch, measured)
+
+
+def _ratio(measured: int | None, estimate_gib: float) -> str:
+    return f"; measured / estimate {measured / GIB / estimate_gib:.2f}" if measured else ""
+
+
+def _gpu_plan(args: argparse.Namespace, overrides: list[str], n: int, micro_batch: int,
+              measured: int | None) -> None:
+    """``satjax plan``'s estimate of the same step: XLA:GPU compiling, deviceless, for this
+    GPU's own target config (dumped here), as it would for GPUs it does not have."""
+    import json
+    import tempfile
+
+    import jax
+    from jaxlib import xla_client
+
+    with tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False) as fh:
+        fh.write(xla_client.get_topology_for_devices(jax.devices()).target_config)
+    cmd = [sys.executable, "-m", "satjax", "plan", "--config", args.config, "--topology",
+           f"h100:{n}", "--target-config", fh.name, "--seq-len", str(args.seq_len),
+           "--micro-batch", str(micro_batch), "--no-sampler", "--no-alternatives", "--json",
+           "--set", f"model.overrides.num_hidden_layers={args.layers}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    # the compile is deviceless: this process keeps the GPU
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    os.unlink(fh.name)
+    if out.returncode:
+        sys.exit(f"device_check: satjax plan failed:\n{out.stderr[-3000:]}")
+    peak = json.loads(out.stdout)["peak_gib"]
+    print(f"XLA:GPU estimate (satjax plan --topology h100:{n}, this GPU's target config, "
+          f"no autotuning): {peak:.2f} GiB" + _ratio(measured, peak), flush=True)
 
 
 if __name__ == "__main__":
