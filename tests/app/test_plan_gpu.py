@@ -65,11 +65,14 @@ def _plan(*args, block_plugin=False, timeout=60):
 
 
 def test_plan_gpu_errors_are_one_line_exit_2():
-    r = _plan("--topology", "h100:8", "--set", "train.mesh={data: 8}", block_plugin=True)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [
-        "satjax plan: topology 'h100:8': needs the XLA:GPU compiler (JAX's CUDA plugin): "
-        "pip install 'satjax[gpu-plan]'"]
+    # the paper's config (bf16: cuDNN attention) hears of the plugin first, not of cuDNN
+    for args in (("--set", "train.mesh={data: 8}"), ("--config", "configs/qwen3-30b-a3b.yaml",
+                                                     "--set", "train.mesh={expert: 8}")):
+        r = _plan("--topology", "h100:8", *args, block_plugin=True)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            "satjax plan: topology 'h100:8': needs the XLA:GPU compiler (JAX's CUDA plugin): "
+            "pip install 'satjax[gpu-plan]'"]
     for args, line in [
             (("--topology", "h100:12"),
              "satjax plan: topology 'h100:12': expected h100:N with N <= 8 GPUs (one host) "
