@@ -13,9 +13,10 @@ other loop (data-dependent bounds) counts once and is reported in
 ``CollectiveStats.unknown_loops``.
 
 Bytes are per device: the op's whole buffer (all-gather's output, reduce-scatter's input,
-all-reduce's, all-to-all's and a permute's result), and ``traffic`` what a ring algorithm
-sends per device for it (``(n-1)/n`` of the buffer, twice for an all-reduce; a permute
-sends its buffer once), with ``n`` the op's replica-group size.
+all-reduce's, all-to-all's and a permute's result; for a ragged all-to-all, whose output is
+sized for the worst case, 1/n of it: what balanced routing sends), and ``traffic`` what a
+ring algorithm sends per device for it (``(n-1)/n`` of the buffer, twice for an all-reduce;
+a permute sends its buffer once), with ``n`` the op's replica-group size.
 """
 
 from __future__ import annotations
@@ -95,9 +96,16 @@ def _buffer(kind: str, start: bool, result_type: str, group: int) -> int:
     if start and kind in ("all-gather", "collective-permute", "ragged-all-to-all"):
         # async start's result is (operands..., outputs..., contexts): the output is the
         # largest array for a gather; a permute's input and output are the same size
-        return max(arrays)
-    total = sum(arrays)
-    return total * group if kind == "reduce-scatter" else total
+        total = max(arrays)
+    else:
+        total = sum(arrays)
+    if kind == "reduce-scatter":
+        return total * group
+    if kind == "ragged-all-to-all":
+        # its output is sized for the worst case, every row from every peer; what moves
+        # depends on the data: count the rows of balanced routing, 1/n of that buffer
+        return total // group
+    return total
 
 
 def _traffic(kind: str, buffer: int, group: int) -> int:
