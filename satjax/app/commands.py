@@ -137,6 +137,9 @@ def check_resources(cfg: Config) -> None:
         _check_data(cfg, need)
     _check_reward(cfg.task.reward or ("math_verify" if cfg.task.name == "jsonl" else ""))
     if cfg.task.prompt_template == "chat":
+        # transformers renders a chat template with jinja2 but does not require it
+        need_extra("jinja2", "hf", "task.prompt_template",
+                   "a chat template is rendered with jinja2", "chat")
         need(bool(tok_dir) and has_chat_template(tok_dir), "task.prompt_template",
              "'chat' only with a Hugging Face tokenizer that has a chat template "
              f"(tokenizer: {tok_dir or 'the built-in character tokenizer'})", "chat")
