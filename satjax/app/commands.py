@@ -109,12 +109,6 @@ def check_resources(cfg: Config) -> None:
         mismatch = architecture_mismatch(cfg)
         need(not mismatch, "model.path", "a checkpoint of the architecture model.overrides "
              f"gives ({'; '.join(mismatch)})", cfg.model.path)
-        if not model_config(cfg).moe_layer_indices:  # dense: no experts, no routes
-            for key in ("train.replay", "rollout.record_routes"):
-                section, name = key.split(".")
-                need(getattr(getattr(cfg, section), name) in (False, "off"), key,
-                     f"false for a dense model ({cfg.model.path} has no MoE layers, so "
-                     "there are no routes to record or replay)", True)
         if not tokenizer_path(cfg):
             vocab = model_config(cfg).vocab_size
             need(vocab == CharTokenizer().vocab_size, "task.tokenizer_path",
@@ -126,6 +120,7 @@ def check_resources(cfg: Config) -> None:
         # model to load; satjax does not RL-train one from random weights
         need(cfg.model.preset == "tiny", "model.path",
              "a local checkpoint directory of the model model.overrides describes", "")
+    _check_dense(cfg, need)
     if cfg.task.tokenizer_path:
         need(Path(cfg.task.tokenizer_path).is_dir(), "task.tokenizer_path",
              "an existing tokenizer directory", cfg.task.tokenizer_path)
@@ -161,25 +156,60 @@ def check_resources(cfg: Config) -> None:
 
 
 def _check_overrides(cfg: Config) -> None:
-    """``model.overrides`` names fields of the model's config, with values it takes (over
-    the tiny preset, or as the whole architecture; over a ``model.path`` checkpoint they
-    are compared with its config.json instead)."""
+    """``model.overrides`` names fields of the model's config, with values in the ranges
+    written beside them (over the tiny preset sized to the built-in tokenizer, or as the
+    whole architecture; over a ``model.path`` checkpoint they are compared with its
+    config.json instead). The error names the field when the override gave it."""
     from satjax.model import Qwen3MoeConfig
+    from satjax.model.tokenizer import CharTokenizer
 
     fields = [f.name for f in dataclasses.fields(Qwen3MoeConfig)]
-    for key in cfg.model.overrides:
+    overrides = cfg.model.overrides
+    for key in overrides:
         if key not in fields:
             raise ConfigError(f"config key 'model.overrides.{key}': must be a field of the "
                               f"model config ({', '.join(fields)}), got unknown {key!r}")
     if cfg.model.path:
         return
+    if cfg.model.preset == "tiny" and not cfg.task.tokenizer_path:
+        # the tiny preset is sized to the tokenizer: a smaller vocabulary has no row for
+        # some of its token ids
+        vocab = CharTokenizer().vocab_size
+        value = overrides.get("vocab_size", vocab)
+        if not (isinstance(value, int) and value >= vocab):
+            raise ConfigError(f"config key 'model.overrides.vocab_size': must be >= {vocab} "
+                              f"(the built-in character tokenizer's vocabulary), got {value!r}")
     try:
         if cfg.model.preset == "tiny":
-            Qwen3MoeConfig.tiny(**cfg.model.overrides)
+            Qwen3MoeConfig.tiny(**overrides)
         else:
-            Qwen3MoeConfig(**cfg.model.overrides)
+            Qwen3MoeConfig(**overrides)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key 'model.overrides': {e}") from None
+        field, _, what = str(e).partition(": ")
+        key = f"model.overrides.{field}" if field in overrides else "model.overrides"
+        raise ConfigError(f"config key {key!r}: {what if field in overrides else e}") from None
+
+
+def _check_dense(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> None:
+    """A dense model (no MoE layer: ``model.path``'s, or ``num_experts: 0`` in
+    ``model.overrides``) has no routes, so the run records and replays none."""
+    from satjax.factory import model_config
+    from satjax.model import Qwen3MoeConfig
+
+    overrides = cfg.model.overrides
+    if cfg.model.path:
+        mcfg, source = model_config(cfg), f"{cfg.model.path} has no MoE layers"
+    else:
+        mcfg = Qwen3MoeConfig.tiny(**overrides) if cfg.model.preset == "tiny" else \
+            Qwen3MoeConfig(**overrides)
+        source = f"model.overrides {overrides} give no MoE layer"
+    if mcfg.moe_layer_indices:
+        return
+    for key in ("train.replay", "rollout.record_routes"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(value in (False, "off"), key, f"false for a dense model ({source}, so there "
+             "are no routes to record or replay)", value)
 
 
 def check_token(cfg: Config) -> None:

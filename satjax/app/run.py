@@ -223,12 +223,14 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     the run's workers make, or with router fields they do not make (a batch mixing rows
     with and without a field cannot be trained on): refused at put, such a group would
     stop the trainer on every delivery."""
-    required = router_record(cfg) if model_config.moe_layer_indices else ()
+    moe = bool(model_config.moe_layer_indices)
+    required = router_record(cfg) if moe else ()
     refused = [field for field in ROUTER_FIELDS if field not in required]
-    return ["--vocab-size", str(model_config.vocab_size),
-            "--num-experts", str(model_config.num_experts),
-            "--moe-layers", str(len(model_config.moe_layer_indices)),
-            "--top-k", str(model_config.num_experts_per_tok),
+    # a dense model's trajectories carry no routes (all refused): nothing to bound
+    routes = ["--num-experts", str(model_config.num_experts),
+              "--moe-layers", str(len(model_config.moe_layer_indices)),
+              "--top-k", str(model_config.num_experts_per_tok)] if moe else []
+    return ["--vocab-size", str(model_config.vocab_size), *routes,
             "--max-seq-len", str(max(train_buckets(cfg))),
             "--group-size", str(cfg.rollout.group_size),
             "--max-version", str(MAX_VERSION),

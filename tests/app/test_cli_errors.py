@@ -66,8 +66,41 @@ CASES = [
     (["train", "--set", "model.overrides={bogus: 1}"], 2,
      "satjax train: error: config key 'model.overrides.bogus': must be a field of the model "
      "config (vocab_size, "),
+    # every architecture field's range, named by its key (was: a traceback after 14 s)
     (["train", "--set", "model.overrides={hidden_size: -1}"], 2,
-     "satjax train: error: config key 'model.overrides': hidden_size must be positive, got -1"),
+     "satjax train: error: config key 'model.overrides.hidden_size': must be an int >= 1, "
+     "got -1"),
+    (["train", "--set", "model.overrides={num_experts: -1}"], 2,
+     "satjax train: error: config key 'model.overrides.num_experts': must be an int >= 0 "),
+    (["train", "--set", "model.overrides={num_experts: 4, num_experts_per_tok: 5}"], 2,
+     "satjax train: error: config key 'model.overrides.num_experts_per_tok': must be an int "
+     "in [1, num_experts] "),
+    (["train", "--set", "model.overrides={num_attention_heads: 4, num_key_value_heads: 3}"],
+     2, "satjax train: error: config key 'model.overrides.num_key_value_heads': must be an "
+     "int >= 1 that divides num_attention_heads"),
+    (["train", "--set", "model.overrides={head_dim: 31}"], 2,
+     "satjax train: error: config key 'model.overrides.head_dim': must be an even int >= 2"),
+    (["train", "--set", "model.overrides={num_hidden_layers: 0}"], 2,
+     "satjax train: error: config key 'model.overrides.num_hidden_layers': must be an int "
+     ">= 1, got 0"),
+    (["train", "--set", "model.overrides={vocab_size: 8}"], 2,
+     "satjax train: error: config key 'model.overrides.vocab_size': must be >= 55 (the "
+     "built-in character tokenizer's vocabulary), got 8"),
+    (["train", "--set", "model.overrides={moe_intermediate_size: 0}"], 2,
+     "satjax train: error: config key 'model.overrides.moe_intermediate_size': must be an "
+     "int >= 1"),
+    (["train", "--set", "model.overrides={mlp_only_layers: [4]}"], 2,
+     "satjax train: error: config key 'model.overrides.mlp_only_layers': must be a list of "
+     "layer indices in [0, num_hidden_layers)"),
+    (["train", "--set", "model.overrides={hidden_size: 64.5}"], 2,
+     "satjax train: error: config key 'model.overrides.hidden_size': must be an int >= 1, "
+     "got 64.5"),
+    # a dense model (no MoE layer) has no routes: the run must not record or replay any
+    (["train", "--set", "model.overrides={num_experts: 0}"], 2,
+     "satjax train: error: config key 'train.replay': must be false for a dense model "
+     "(model.overrides {'num_experts': 0} give no MoE layer, "),
+    (["train", "--set", "model.preset=''", "--set", "model.overrides={vocab_size: 0}"], 2,
+     "satjax train: error: config key 'model.overrides.vocab_size': must be an int >= 1"),
     (["train", "--set", "queue.token=abcdefghijklm"], 2,
      "satjax train: error: config key 'queue.token': must be at least 16 characters (the "
      "queue server's rule;"),
@@ -327,3 +360,9 @@ def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
         ["routed_experts", "routed_gates", "router_logits"], [])
     assert flags("rollout.record_routes=false", "train.replay=off")[::2] == (
         [], ["routed_experts", "routed_gates", "router_logits"])
+    # a dense model (no MoE layer): no routes to bound; the queue refused to start with
+    # --num-experts 0 (a dense model.path, or model.overrides num_experts 0)
+    cfg = load_config(overrides=["model.overrides={num_experts: 0}", "train.replay=off",
+                                 "rollout.record_routes=false"])
+    out = queue_limit_flags(cfg, model_config(cfg, build_tokenizer(cfg)))
+    assert not {"--num-experts", "--moe-layers", "--top-k"} & set(out), out
