@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from satjax.app.launch import ChildExitedError
-from satjax.config import Config, ConfigError, config_digest, load_config
+from satjax.config import Config, ConfigError, file_digest, load_config
 from satjax.run_dir import RunDirError, RunDirs
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; used for every user error
@@ -324,18 +324,20 @@ def edited_keys(dirs: RunDirs, saved: Config) -> list[str] | None:
     """The keys of the run's ``config.yaml`` (loaded: ``saved``) that differ from what the
     run wrote: ``[]`` when its digest is the recorded one (or the run recorded none), the
     keys that differ from ``weights/run_config.yaml`` when that copy is the recorded one,
-    None when neither is (both edited)."""
+    None when neither is (both edited). The digests are of the files' values
+    (:func:`~satjax.config.file_digest`), the comparison of the loaded configs: a key this
+    satjax added since the run was written is neither an edit nor a change."""
     try:
         recorded = dirs.config_digest.read_text().strip()
     except FileNotFoundError:  # a run of a satjax that recorded no digest
         return []
-    if config_digest(saved) == recorded:
+    if file_digest(dirs.config) == recorded:
         return []
     try:
+        if file_digest(dirs.weights_config) != recorded:
+            return None
         original = load_config(dirs.weights_config)
     except ConfigError:
-        return None
-    if config_digest(original) != recorded:
         return None
     return [k for k in changed_keys(original, saved) if k != "run_dir"]
 
@@ -355,7 +357,9 @@ def resume_config(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: Con
         edited = edited_keys(dirs, saved)
     except ConfigError as e:
         fail(p, str(e))
-    safe = f"resume changes only {', '.join(RESUME_SAFE_KEYS)}*"
+    # a key ending in "." stands for its section's keys
+    safe = "--resume may change only " + ", ".join(
+        f"{k}*" if k.endswith(".") else k for k in RESUME_SAFE_KEYS)
     if edited is None:
         fail(p, f"{dirs.config}: changed since the run wrote it (its digest is not the one "
                 f"in {dirs.config_digest.name}, and {dirs.weights_config} differs too); "
@@ -442,8 +446,14 @@ class ExitOnInterrupt:
         self.close()
 
 
-def continue_command(run_dir: str) -> str:
-    return f"satjax train --set run_dir={shlex.quote(run_dir)} --resume"
+def continue_command(run_dir: str, reward: str = "") -> str:
+    """The command that continues the run, with the ``PYTHONPATH`` its reward module
+    (``task.reward`` "module:function") was found on, when it was found there."""
+    from satjax.data.rewards import reward_path
+
+    path = reward_path(reward)
+    env = f"PYTHONPATH={shlex.quote(path)} " if path else ""
+    return f"{env}satjax train --set run_dir={shlex.quote(run_dir)} --resume"
 
 
 def train(argv: list[str]) -> int:
@@ -466,18 +476,20 @@ def train(argv: list[str]) -> int:
     g.add_argument("--distributed", action="store_true",
                    help="let JAX detect the cluster (TPU VM slices, SLURM, Open MPI)")
     args = p.parse_args(argv)
-    run_dir: list[str] = []  # known once the config is loaded
+    started: list[Config] = []  # known once the config is loaded
 
     def interrupted() -> str:
-        where = f"{_checkpoint_note(RunDirs(run_dir[0]))}; {next_step(run_dir[0], None)}" \
-            if run_dir else "nothing started yet"
+        where = (f"{_checkpoint_note(RunDirs(started[0].run_dir))}; "
+                 f"{next_step(started[0].run_dir, None, started[0].task.reward)}"
+                 if started else "nothing started yet")
         return f"satjax train: interrupted outside the RL steps (starting or stopping); {where}"
 
     with ExitOnInterrupt(interrupted):
-        return _train(p, args, run_dir)
+        return _train(p, args, started)
 
 
-def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[str]) -> int:
+def _train(p: argparse.ArgumentParser, args: argparse.Namespace, started: list[Config]
+           ) -> int:
     from satjax import parallel
 
     try:  # before anything touches a device: the mesh check counts the global devices
@@ -493,7 +505,8 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
         check_token(cfg)
     except ConfigError as e:
         fail(p, str(e))
-    run_dir.append(cfg.run_dir)
+    started.append(cfg)
+    reward = cfg.task.reward
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from satjax.app.run import QueueUnreachableError, run_train
 
@@ -503,11 +516,12 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
     except (FileExistsError, ConfigError, RunDirError) as e:  # the run directory, the data
         fail(p, str(e))
     except QueueUnreachableError as e:
-        print(f"satjax train: error: {e}; {next_step(cfg.run_dir, e)}", file=sys.stderr)
+        print(f"satjax train: error: {e}; {next_step(cfg.run_dir, e, reward)}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during the RL loop's final checkpoint
         print(f"satjax train: interrupted; {_checkpoint_note(dirs)}; "
-              f"{next_step(cfg.run_dir, None)}", file=sys.stderr)
+              f"{next_step(cfg.run_dir, None, reward)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
         if isinstance(e, ChildExitedError):  # its log says why; the trainer's stack cannot
@@ -521,7 +535,8 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
             # checkpoint list through Orbax is one too), and no normal exit: it runs
             # jax.distributed's shutdown barrier. Ending here lets their heartbeat stop them.
             print(f"satjax train: failed in process {jax.process_index()}; continue with: "
-                  f"{continue_command(cfg.run_dir)} (on every process, once a checkpoint "
+                  f"{continue_command(cfg.run_dir, reward)} (on every process, once a "
+                  "checkpoint "
                   "exists)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
@@ -529,7 +544,7 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
         cause = f": {e.name} exited with code {e.returncode}: {e.last_line}" \
             if isinstance(e, ChildExitedError) else ""
         print(f"satjax train: failed{cause}; {_checkpoint_note(dirs)}; "
-              f"{next_step(cfg.run_dir, e)}", file=sys.stderr)
+              f"{next_step(cfg.run_dir, e, reward)}", file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:
@@ -538,7 +553,7 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
     if outcome.interrupted:
         saved = "(checkpointed)" if outcome.step else "(nothing checkpointed yet)"
         print(f"stopped at step {outcome.step} of {outcome.total} {saved}; {where}; "
-              f"{next_step(cfg.run_dir, None)}")
+              f"{next_step(cfg.run_dir, None, reward)}")
         return EXIT_INTERRUPTED
     print(f"finished step {outcome.step} of {outcome.total}; {where}")
     return 0
@@ -561,12 +576,14 @@ def environment_cause(error: BaseException | None) -> OSError | None:
     return None
 
 
-def next_step(run_dir: str, error: BaseException | None) -> str:
+def next_step(run_dir: str, error: BaseException | None, reward: str = "") -> str:
     """What to do after a start of ``satjax train`` that ended early (``error``: why; None:
     interrupted). ``--resume`` is suggested only where it can help: the run has a
     checkpoint to continue from (without one, starting again is the same and simpler), and
     after the cause is fixed when the cause is outside the run (a permission, a full or
-    read-only disk, a queue that does not answer): the same start would fail the same way."""
+    read-only disk, a queue that does not answer): the same start would fail the same way.
+    ``reward``: ``task.reward``, whose module's ``PYTHONPATH`` the command carries
+    (:func:`continue_command`)."""
     from satjax.app.run import QueueUnreachableError
 
     fix = ""
@@ -576,8 +593,8 @@ def next_step(run_dir: str, error: BaseException | None) -> str:
     elif isinstance(error, QueueUnreachableError):
         fix = "start the queue (or set queue.address to where it runs), then "
     dirs = RunDirs(run_dir)
-    if dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
-        return f"{fix}continue with: {continue_command(run_dir)}"
+    if dirs.has_checkpoint():
+        return f"{fix}continue with: {continue_command(run_dir, reward)}"
     if error is None:
         return "nothing to resume yet: run the same command again to start over"
     return fix + ("start the run again" if fix else
