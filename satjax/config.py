@@ -578,8 +578,27 @@ def dump_config(cfg: Config) -> str:
 def config_digest(cfg: Config) -> str:
     """SHA-256 (hex) of what the run *is*: ``cfg`` as :func:`dump_config` writes it, without
     ``run_dir`` (a run may move) and ``queue.token`` (never written). Formatting and
-    comments do not change it; any value does."""
-    data = _plain(cfg.to_dict())
-    data.pop("run_dir")
-    data["queue"].pop("token")
+    comments do not change it; any value does. :func:`file_digest` of the written file is
+    the same."""
+    return _data_digest(_plain(cfg.to_dict()))
+
+
+def file_digest(path: str | Path) -> str:
+    """:func:`config_digest` of a config file as it is written: of the values it holds,
+    without the defaults of keys it lacks filled in, so that a key a later satjax adds
+    (and fills with its default on load) does not change the digest of a run written
+    before. Raises ConfigError when the file cannot be read as YAML."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {str(path)!r}: cannot be read ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: must be a mapping at the top level")
+    return _data_digest(data)
+
+
+def _data_digest(data: dict[str, Any]) -> str:
+    data = {**data, "queue": {**(data.get("queue") or {})}}
+    data.pop("run_dir", None)
+    data["queue"].pop("token", None)
     return hashlib.sha256(yaml.safe_dump(data, sort_keys=True).encode()).hexdigest()

@@ -13,7 +13,7 @@ from flax import nnx
 
 from satjax.config import Config, ConfigError
 from satjax.data.prompts import PromptFormat
-from satjax.data.rewards import checked_reward
+from satjax.data.rewards import RewardError, check_on, checked_reward
 from satjax.data.tasks import (
     ArithmeticTask,
     DigitStringTask,
@@ -80,7 +80,20 @@ def build_task(cfg: Config, tokenizer):
     ``task.max_prompt_tokens`` (with the template, in ``tokenizer``'s tokens) dropped.
     Raises ConfigError (one line naming the row) for unreadable rows, a null question or
     answer, a template field a row lacks, text the tokenizer cannot write (answers too
-    when the SFT warm-up trains on them), or no prompt short enough."""
+    when the SFT warm-up trains on them), no prompt short enough, or a user's reward that
+    fails on the first training example (:func:`satjax.data.rewards.check_on`)."""
+    task = _build_task(cfg, tokenizer)
+    if cfg.task.reward:
+        try:  # bounded by task.reward_timeout_s, as every call
+            check_on(task.reward, cfg.task.reward, task.example(0))
+        except RewardError as e:
+            raise ConfigError(f"config key 'task.reward': {str(e).removeprefix('task.reward ')}"
+                              " (called at start with the example's reference answer)"
+                              ) from None
+    return task
+
+
+def _build_task(cfg: Config, tokenizer):
     t = cfg.task
     if t.name in ("arithmetic", "sort", "reverse"):
         builtin = ArithmeticTask(min_digits=t.min_digits, max_digits=t.max_digits, ops=t.ops,

@@ -76,6 +76,10 @@ class RunDirs:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    def has_checkpoint(self) -> bool:
+        """Whether ``checkpoints/`` holds anything (a checkpoint, or one being written)."""
+        return self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+
     @property
     def weights(self) -> Path:
         return self.root / "weights"
@@ -120,7 +124,8 @@ class RunDirs:
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used: held by a running ``satjax train`` (the message
-    names its pid) or not writable (the message says why)."""
+    names its pid), not writable (the message says why), or without a checkpoint for
+    ``--resume``."""
 
 
 class RunLock:

@@ -43,3 +43,29 @@ def test_the_docs_reward_is_the_scripts():
     (shown,) = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
                 if "def score" in b]
     assert shown.strip() in make_small_model.REWARD_MODULE
+
+
+def test_the_hf_extra_brings_what_a_chat_template_needs(monkeypatch):
+    """transformers renders chat templates with jinja2 without requiring it: the [hf] extra
+    brings it, and a run whose template is "chat" without it stops at start (one line)."""
+    import importlib.util
+    import tomllib
+
+    import pytest
+
+    from satjax.app.commands import check_resources
+    from satjax.config import ConfigError, load_config
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(re.match(r"jinja2\b", r) for r in extras["hf"]), extras["hf"]
+    # the transformers snippet needs torch: the docs give the CPU wheel's index
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in \
+        DOC.read_text()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jinja2" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^config key 'task.prompt_template': a chat "
+                       r"template is rendered with jinja2, which is not installed: "
+                       r"pip install 'satjax\[hf\]'"):
+        check_resources(load_config(overrides=["task.prompt_template=chat"]))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from satjax.app.launch import ChildExitedError
-from satjax.config import Config, ConfigError, config_digest, load_config
+from satjax.config import Config, ConfigError, file_digest, load_config
 from satjax.run_dir import RunDirError, RunDirs
 
 EXIT_USAGE = 2  # argparse's code for a bad command line; used for every user error
@@ -109,12 +109,6 @@ def check_resources(cfg: Config) -> None:
         mismatch = architecture_mismatch(cfg)
         need(not mismatch, "model.path", "a checkpoint of the architecture model.overrides "
              f"gives ({'; '.join(mismatch)})", cfg.model.path)
-        if not model_config(cfg).moe_layer_indices:  # dense: no experts, no routes
-            for key in ("train.replay", "rollout.record_routes"):
-                section, name = key.split(".")
-                need(getattr(getattr(cfg, section), name) in (False, "off"), key,
-                     f"false for a dense model ({cfg.model.path} has no MoE layers, so "
-                     "there are no routes to record or replay)", True)
         if not tokenizer_path(cfg):
             vocab = model_config(cfg).vocab_size
             need(vocab == CharTokenizer().vocab_size, "task.tokenizer_path",
@@ -126,6 +120,7 @@ def check_resources(cfg: Config) -> None:
         # model to load; satjax does not RL-train one from random weights
         need(cfg.model.preset == "tiny", "model.path",
              "a local checkpoint directory of the model model.overrides describes", "")
+    _check_dense(cfg, need)
     if cfg.task.tokenizer_path:
         need(Path(cfg.task.tokenizer_path).is_dir(), "task.tokenizer_path",
              "an existing tokenizer directory", cfg.task.tokenizer_path)
@@ -137,6 +132,9 @@ def check_resources(cfg: Config) -> None:
         _check_data(cfg, need)
     _check_reward(cfg.task.reward or ("math_verify" if cfg.task.name == "jsonl" else ""))
     if cfg.task.prompt_template == "chat":
+        # transformers renders a chat template with jinja2 but does not require it
+        need_extra("jinja2", "hf", "task.prompt_template",
+                   "a chat template is rendered with jinja2", "chat")
         need(bool(tok_dir) and has_chat_template(tok_dir), "task.prompt_template",
              "'chat' only with a Hugging Face tokenizer that has a chat template "
              f"(tokenizer: {tok_dir or 'the built-in character tokenizer'})", "chat")
@@ -158,25 +156,60 @@ def check_resources(cfg: Config) -> None:
 
 
 def _check_overrides(cfg: Config) -> None:
-    """``model.overrides`` names fields of the model's config, with values it takes (over
-    the tiny preset, or as the whole architecture; over a ``model.path`` checkpoint they
-    are compared with its config.json instead)."""
+    """``model.overrides`` names fields of the model's config, with values in the ranges
+    written beside them (over the tiny preset sized to the built-in tokenizer, or as the
+    whole architecture; over a ``model.path`` checkpoint they are compared with its
+    config.json instead). The error names the field when the override gave it."""
     from satjax.model import Qwen3MoeConfig
+    from satjax.model.tokenizer import CharTokenizer
 
     fields = [f.name for f in dataclasses.fields(Qwen3MoeConfig)]
-    for key in cfg.model.overrides:
+    overrides = cfg.model.overrides
+    for key in overrides:
         if key not in fields:
             raise ConfigError(f"config key 'model.overrides.{key}': must be a field of the "
                               f"model config ({', '.join(fields)}), got unknown {key!r}")
     if cfg.model.path:
         return
+    if cfg.model.preset == "tiny" and not cfg.task.tokenizer_path:
+        # the tiny preset is sized to the tokenizer: a smaller vocabulary has no row for
+        # some of its token ids
+        vocab = CharTokenizer().vocab_size
+        value = overrides.get("vocab_size", vocab)
+        if not (isinstance(value, int) and value >= vocab):
+            raise ConfigError(f"config key 'model.overrides.vocab_size': must be >= {vocab} "
+                              f"(the built-in character tokenizer's vocabulary), got {value!r}")
     try:
         if cfg.model.preset == "tiny":
-            Qwen3MoeConfig.tiny(**cfg.model.overrides)
+            Qwen3MoeConfig.tiny(**overrides)
         else:
-            Qwen3MoeConfig(**cfg.model.overrides)
+            Qwen3MoeConfig(**overrides)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"config key 'model.overrides': {e}") from None
+        field, _, what = str(e).partition(": ")
+        key = f"model.overrides.{field}" if field in overrides else "model.overrides"
+        raise ConfigError(f"config key {key!r}: {what if field in overrides else e}") from None
+
+
+def _check_dense(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> None:
+    """A dense model (no MoE layer: ``model.path``'s, or ``num_experts: 0`` in
+    ``model.overrides``) has no routes, so the run records and replays none."""
+    from satjax.factory import model_config
+    from satjax.model import Qwen3MoeConfig
+
+    overrides = cfg.model.overrides
+    if cfg.model.path:
+        mcfg, source = model_config(cfg), f"{cfg.model.path} has no MoE layers"
+    else:
+        mcfg = Qwen3MoeConfig.tiny(**overrides) if cfg.model.preset == "tiny" else \
+            Qwen3MoeConfig(**overrides)
+        source = f"model.overrides {overrides} give no MoE layer"
+    if mcfg.moe_layer_indices:
+        return
+    for key in ("train.replay", "rollout.record_routes"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        need(value in (False, "off"), key, f"false for a dense model ({source}, so there "
+             "are no routes to record or replay)", value)
 
 
 def check_token(cfg: Config) -> None:
@@ -291,18 +324,20 @@ def edited_keys(dirs: RunDirs, saved: Config) -> list[str] | None:
     """The keys of the run's ``config.yaml`` (loaded: ``saved``) that differ from what the
     run wrote: ``[]`` when its digest is the recorded one (or the run recorded none), the
     keys that differ from ``weights/run_config.yaml`` when that copy is the recorded one,
-    None when neither is (both edited)."""
+    None when neither is (both edited). The digests are of the files' values
+    (:func:`~satjax.config.file_digest`), the comparison of the loaded configs: a key this
+    satjax added since the run was written is neither an edit nor a change."""
     try:
         recorded = dirs.config_digest.read_text().strip()
     except FileNotFoundError:  # a run of a satjax that recorded no digest
         return []
-    if config_digest(saved) == recorded:
+    if file_digest(dirs.config) == recorded:
         return []
     try:
+        if file_digest(dirs.weights_config) != recorded:
+            return None
         original = load_config(dirs.weights_config)
     except ConfigError:
-        return None
-    if config_digest(original) != recorded:
         return None
     return [k for k in changed_keys(original, saved) if k != "run_dir"]
 
@@ -322,7 +357,9 @@ def resume_config(p: argparse.ArgumentParser, args: argparse.Namespace, cfg: Con
         edited = edited_keys(dirs, saved)
     except ConfigError as e:
         fail(p, str(e))
-    safe = f"resume changes only {', '.join(RESUME_SAFE_KEYS)}*"
+    # a key ending in "." stands for its section's keys
+    safe = "--resume may change only " + ", ".join(
+        f"{k}*" if k.endswith(".") else k for k in RESUME_SAFE_KEYS)
     if edited is None:
         fail(p, f"{dirs.config}: changed since the run wrote it (its digest is not the one "
                 f"in {dirs.config_digest.name}, and {dirs.weights_config} differs too); "
@@ -409,8 +446,14 @@ class ExitOnInterrupt:
         self.close()
 
 
-def continue_command(run_dir: str) -> str:
-    return f"satjax train --set run_dir={shlex.quote(run_dir)} --resume"
+def continue_command(run_dir: str, reward: str = "") -> str:
+    """The command that continues the run, with the ``PYTHONPATH`` its reward module
+    (``task.reward`` "module:function") was found on, when it was found there."""
+    from satjax.data.rewards import reward_path
+
+    path = reward_path(reward)
+    env = f"PYTHONPATH={shlex.quote(path)} " if path else ""
+    return f"{env}satjax train --set run_dir={shlex.quote(run_dir)} --resume"
 
 
 def train(argv: list[str]) -> int:
@@ -433,18 +476,20 @@ def train(argv: list[str]) -> int:
     g.add_argument("--distributed", action="store_true",
                    help="let JAX detect the cluster (TPU VM slices, SLURM, Open MPI)")
     args = p.parse_args(argv)
-    run_dir: list[str] = []  # known once the config is loaded
+    started: list[Config] = []  # known once the config is loaded
 
     def interrupted() -> str:
-        where = f"{_checkpoint_note(RunDirs(run_dir[0]))}; {next_step(run_dir[0], None)}" \
-            if run_dir else "nothing started yet"
+        where = (f"{_checkpoint_note(RunDirs(started[0].run_dir))}; "
+                 f"{next_step(started[0].run_dir, None, started[0].task.reward)}"
+                 if started else "nothing started yet")
         return f"satjax train: interrupted outside the RL steps (starting or stopping); {where}"
 
     with ExitOnInterrupt(interrupted):
-        return _train(p, args, run_dir)
+        return _train(p, args, started)
 
 
-def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[str]) -> int:
+def _train(p: argparse.ArgumentParser, args: argparse.Namespace, started: list[Config]
+           ) -> int:
     from satjax import parallel
 
     try:  # before anything touches a device: the mesh check counts the global devices
@@ -460,7 +505,8 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
         check_token(cfg)
     except ConfigError as e:
         fail(p, str(e))
-    run_dir.append(cfg.run_dir)
+    started.append(cfg)
+    reward = cfg.task.reward
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     from satjax.app.run import QueueUnreachableError, run_train
 
@@ -470,11 +516,12 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
     except (FileExistsError, ConfigError, RunDirError) as e:  # the run directory, the data
         fail(p, str(e))
     except QueueUnreachableError as e:
-        print(f"satjax train: error: {e}; {next_step(cfg.run_dir, e)}", file=sys.stderr)
+        print(f"satjax train: error: {e}; {next_step(cfg.run_dir, e, reward)}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during the RL loop's final checkpoint
         print(f"satjax train: interrupted; {_checkpoint_note(dirs)}; "
-              f"{next_step(cfg.run_dir, None)}", file=sys.stderr)
+              f"{next_step(cfg.run_dir, None, reward)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
         if isinstance(e, ChildExitedError):  # its log says why; the trainer's stack cannot
@@ -488,7 +535,8 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
             # checkpoint list through Orbax is one too), and no normal exit: it runs
             # jax.distributed's shutdown barrier. Ending here lets their heartbeat stop them.
             print(f"satjax train: failed in process {jax.process_index()}; continue with: "
-                  f"{continue_command(cfg.run_dir)} (on every process, once a checkpoint "
+                  f"{continue_command(cfg.run_dir, reward)} (on every process, once a "
+                  "checkpoint "
                   "exists)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
@@ -496,7 +544,7 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
         cause = f": {e.name} exited with code {e.returncode}: {e.last_line}" \
             if isinstance(e, ChildExitedError) else ""
         print(f"satjax train: failed{cause}; {_checkpoint_note(dirs)}; "
-              f"{next_step(cfg.run_dir, e)}", file=sys.stderr)
+              f"{next_step(cfg.run_dir, e, reward)}", file=sys.stderr)
         return 1
     keys = ("reward_mean", "loss", "lag_mean", "sat_tail_frac", "router_mismatch")
     if outcome.last:
@@ -505,7 +553,7 @@ def _train(p: argparse.ArgumentParser, args: argparse.Namespace, run_dir: list[s
     if outcome.interrupted:
         saved = "(checkpointed)" if outcome.step else "(nothing checkpointed yet)"
         print(f"stopped at step {outcome.step} of {outcome.total} {saved}; {where}; "
-              f"{next_step(cfg.run_dir, None)}")
+              f"{next_step(cfg.run_dir, None, reward)}")
         return EXIT_INTERRUPTED
     print(f"finished step {outcome.step} of {outcome.total}; {where}")
     return 0
@@ -528,12 +576,14 @@ def environment_cause(error: BaseException | None) -> OSError | None:
     return None
 
 
-def next_step(run_dir: str, error: BaseException | None) -> str:
+def next_step(run_dir: str, error: BaseException | None, reward: str = "") -> str:
     """What to do after a start of ``satjax train`` that ended early (``error``: why; None:
     interrupted). ``--resume`` is suggested only where it can help: the run has a
     checkpoint to continue from (without one, starting again is the same and simpler), and
     after the cause is fixed when the cause is outside the run (a permission, a full or
-    read-only disk, a queue that does not answer): the same start would fail the same way."""
+    read-only disk, a queue that does not answer): the same start would fail the same way.
+    ``reward``: ``task.reward``, whose module's ``PYTHONPATH`` the command carries
+    (:func:`continue_command`)."""
     from satjax.app.run import QueueUnreachableError
 
     fix = ""
@@ -543,8 +593,8 @@ def next_step(run_dir: str, error: BaseException | None) -> str:
     elif isinstance(error, QueueUnreachableError):
         fix = "start the queue (or set queue.address to where it runs), then "
     dirs = RunDirs(run_dir)
-    if dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
-        return f"{fix}continue with: {continue_command(run_dir)}"
+    if dirs.has_checkpoint():
+        return f"{fix}continue with: {continue_command(run_dir, reward)}"
     if error is None:
         return "nothing to resume yet: run the same command again to start over"
     return fix + ("start the run again" if fix else

@@ -42,12 +42,14 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from satjax.app.sweep_spec import RunSpec
-from satjax.utils import versions_line
+from satjax.utils import die_with_parent, versions_line
 
 # The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
 # (radii (0.2, 0.2) for GRPO, GSPO and their SAT variants alike): TIS truncates the
@@ -313,7 +315,7 @@ def _done(spec: RunSpec, out: Path, key: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from satjax.config import ObjectiveConfig, load_config
+    from satjax.config import ObjectiveConfig
 
     default_eps = ObjectiveConfig().hparams  # the tiny task's radius, as `satjax train` uses
     p = argparse.ArgumentParser(
@@ -365,6 +367,26 @@ def main(argv: list[str]) -> int:
                         f"score: {MECHANISM_VARIANT}'s newly clipped share at the largest lag "
                         "(pick settings with this before running the other objectives)")
     args = p.parse_args(argv)
+    from satjax.app.commands import ExitOnInterrupt
+
+    # Ctrl-C: one line, exit 130, whatever the sweep is doing (a compile included); the
+    # pool's workers ignore it and die with this process (_pool_worker)
+    with ExitOnInterrupt(lambda: f"satjax lag-sweep: interrupted; the finished runs are kept "
+                                 f"in {args.out} (the same command reuses them)"):
+        return _sweep(p, args, argv)
+
+
+def _pool_worker() -> None:
+    """Each run's process: a terminal's Ctrl-C reaches every process of the foreground
+    group, and each worker would print its own traceback (230 lines in all); the sweep
+    reports the interrupt, and its workers get SIGTERM from the kernel when it exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGTERM)
+
+
+def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    from satjax.config import load_config
+
     logging.basicConfig(level=logging.WARNING)
     if args.selection and args.variants is not None:
         p.error(f"--selection: runs {SELECTION_VARIANT} only; drop --variants")
@@ -443,7 +465,12 @@ def main(argv: list[str]) -> int:
     from satjax.app.sweep_report import write_csv_table_plots, write_selection
 
     ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+    # Ctrl-C ends the sweep at once (os._exit), leaving the pool's semaphores to
+    # multiprocessing's resource tracker, a process started with these -W options: it
+    # removes them, and its warning that it did is not for the user
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
+                                initializer=_pool_worker) as pool:
         futures = {pool.submit(run_one, s, configs[s], str(out), args.eval_every, keys[s],
                                compile_cache): s
                    for s in todo}

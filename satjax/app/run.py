@@ -45,7 +45,7 @@ from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.prompts import PromptFormat
 from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
 from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
-from satjax.run_dir import RunDirs, RunLock
+from satjax.run_dir import RunDirError, RunDirs, RunLock
 from satjax.train.metrics import MetricsLogger
 from satjax.train.sft import run_sft, warmup_enabled
 from satjax.train.trainer import Trainer
@@ -223,12 +223,14 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     the run's workers make, or with router fields they do not make (a batch mixing rows
     with and without a field cannot be trained on): refused at put, such a group would
     stop the trainer on every delivery."""
-    required = router_record(cfg) if model_config.moe_layer_indices else ()
+    moe = bool(model_config.moe_layer_indices)
+    required = router_record(cfg) if moe else ()
     refused = [field for field in ROUTER_FIELDS if field not in required]
-    return ["--vocab-size", str(model_config.vocab_size),
-            "--num-experts", str(model_config.num_experts),
-            "--moe-layers", str(len(model_config.moe_layer_indices)),
-            "--top-k", str(model_config.num_experts_per_tok),
+    # a dense model's trajectories carry no routes (all refused): nothing to bound
+    routes = ["--num-experts", str(model_config.num_experts),
+              "--moe-layers", str(len(model_config.moe_layer_indices)),
+              "--top-k", str(model_config.num_experts_per_tok)] if moe else []
+    return ["--vocab-size", str(model_config.vocab_size), *routes,
             "--max-seq-len", str(max(train_buckets(cfg))),
             "--group-size", str(cfg.rollout.group_size),
             "--max-version", str(MAX_VERSION),
@@ -325,27 +327,41 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     logs metrics and shows progress; every process trains on the batch process 0 read
     (``satjax.app.multihost``), checkpoints cooperatively and takes part in publishing.
 
-    Four phases: :func:`start_trainer` (the warm start), :func:`start_services` (queue,
-    first publish, workers), :func:`batch_source` and the :class:`TrainLoop`, whose
+    Before the run directory is touched, what the user's input can get wrong is checked:
+    every data row and the reward (:func:`~satjax.factory.build_task`: a bad row used to
+    leave a half-made run directory) and the queue at ``queue.address``
+    (:func:`wait_for_queue`: its wait bounds the failure, not the warm-up). Then four
+    phases: :func:`start_trainer` (the warm start), :func:`start_services` (queue, first
+    publish, workers), :func:`batch_source` and the :class:`TrainLoop`, whose
     :meth:`~TrainLoop.finish` checkpoints what was trained and stops the children.
     """
     from satjax.app.multihost import Peers
 
     peers = Peers()
     dirs = RunDirs(cfg.run_dir)
+    tokenizer = build_tokenizer(cfg)
+    task = build_task(cfg, tokenizer)
+    token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()
+    if peers.primary and cfg.queue.address:
+        wait_for_queue(cfg.queue.address, token, cfg.queue.ready_timeout_s)
     with contextlib.ExitStack() as stack:
         if peers.primary:  # before anything in the run directory is read or written
             stack.enter_context(RunLock(dirs.root))
-        if not resume and dirs.checkpoints.is_dir() and any(dirs.checkpoints.iterdir()):
+        if not resume and dirs.has_checkpoint():
             # checked here too (the Trainer does) so that this run's config.yaml is never
             # written over the one of the run that is there
             raise FileExistsError(f"run_dir {cfg.run_dir!r}: already has checkpoints; pass "
                                   "--resume to continue it or choose another run_dir")
+        if resume and not dirs.has_checkpoint():
+            # the Trainer would start from step 0: a fresh run the user did not ask for
+            raise RunDirError(f"run_dir {cfg.run_dir!r}: has no checkpoint to resume from "
+                              "(the run stopped before its first); start it again without "
+                              "--resume")
         if peers.primary:
             write_run_config(dirs, cfg)
-        trainer, task, tokenizer = start_trainer(cfg, peers, resume=resume,
-                                                 progress=progress, log_every=log_every)
-        services = start_services(cfg, trainer, peers, stack)
+        trainer = start_trainer(cfg, peers, tokenizer, task, resume=resume,
+                                progress=progress, log_every=log_every)
+        services = start_services(cfg, trainer, peers, stack, token)
         source = batch_source(cfg, trainer, peers, services, resume=resume)
         # closed after the final checkpoint, before the queue stops (the stack closes in
         # reverse): a batch fetched but not trained on stays unacknowledged and is
@@ -368,12 +384,29 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     return outcome
 
 
-def start_trainer(cfg: Config, peers, *, resume: bool, progress: bool, log_every: int):
-    """The warm start: the tokenizer, the task and the :class:`Trainer` on the policy RL
-    starts from (:func:`warm_start`; a non-primary process waits for process 0's), restored
-    from the run's latest checkpoint on ``resume``. Returns ``(trainer, task, tokenizer)``."""
-    tokenizer = build_tokenizer(cfg)
-    task = build_task(cfg, tokenizer)
+def wait_for_queue(address: str, token: str, wait_s: float) -> None:
+    """Waits up to ``wait_s`` (``queue.ready_timeout_s``) for the queue at ``address``,
+    saying so; :class:`QueueUnreachableError` when none answers. Called before the warm
+    start, so that the wait (plus the imports before it) bounds an unreachable queue's
+    failure."""
+    from satjax.queue.client import QueueClient, QueueUnavailableError
+
+    status(f"waiting for the queue at {address} (up to {wait_s:g}s: queue.ready_timeout_s)")
+    with QueueClient(address, token=token) as client:
+        try:
+            client.wait_ready(timeout=wait_s)
+        except QueueUnavailableError:
+            raise QueueUnreachableError(
+                f"queue.address {address!r}: no queue answered within {wait_s:g}s (is "
+                "`satjax serve-queue` running there, and reachable from here? "
+                "queue.ready_timeout_s waits longer)") from None
+
+
+def start_trainer(cfg: Config, peers, tokenizer, task, *, resume: bool, progress: bool,
+                  log_every: int) -> Trainer:
+    """The warm start: the :class:`Trainer` on the policy RL starts from
+    (:func:`warm_start`; a non-primary process waits for process 0's), restored from the
+    run's latest checkpoint on ``resume``."""
     if not peers.primary:  # process 0 makes (or finds) the warm-up; the others load it
         wait_for_warm_start(cfg)
     reference = (from_pretrained(cfg.model.ref_path, **model_options(cfg))
@@ -383,7 +416,7 @@ def start_trainer(cfg: Config, peers, *, resume: bool, progress: bool, log_every
     trainer = Trainer(cfg, policy, tokenizer, resume=resume, reference=reference)
     if trainer.step and peers.primary:
         status(f"resumed from the checkpoint at step {trainer.step}")
-    return trainer, task, tokenizer
+    return trainer
 
 
 @dataclasses.dataclass
@@ -397,17 +430,16 @@ class Services:
     publish_s: float  # how long the first publish took (the first step's time/publish_s)
 
 
-def start_services(cfg: Config, trainer: Trainer, peers, stack: contextlib.ExitStack
-                   ) -> Services:
-    """Process 0 starts the queue server (or waits up to ``queue.ready_timeout_s`` for
-    ``queue.address``, saying so, then raises :class:`QueueUnreachableError`); every
-    process publishes the starting weights; process 0 then starts the rollout workers.
-    The children are stopped when ``stack`` closes."""
+def start_services(cfg: Config, trainer: Trainer, peers, stack: contextlib.ExitStack,
+                   token: str) -> Services:
+    """Process 0 starts the queue server (unless ``queue.address`` names one, answering
+    already: :func:`wait_for_queue`); every process publishes the starting weights;
+    process 0 then starts the rollout workers. The children are stopped when ``stack``
+    closes."""
     from satjax.queue.client import QueueClient, QueueUnavailableError
 
     dirs = RunDirs(cfg.run_dir)
     procs = stack.enter_context(ProcessGroup())
-    token = cfg.queue.token or os.environ.get("SATJAX_QUEUE_TOKEN") or new_token()
     env = {"SATJAX_QUEUE_TOKEN": token}
     address = cfg.queue.address or f"127.0.0.1:{free_port()}"
     client = None
@@ -416,18 +448,7 @@ def start_services(cfg: Config, trainer: Trainer, peers, stack: contextlib.ExitS
         # batch; decoded to int32 they would take 4x the bytes, twice with one prefetched
         client = QueueClient(address, token=token, compact_routes=True)
         stack.callback(client.close)
-        if cfg.queue.address:
-            wait = cfg.queue.ready_timeout_s
-            status(f"waiting for the queue at {address} (up to {wait:g}s: "
-                   "queue.ready_timeout_s)")
-            try:
-                client.wait_ready(timeout=wait)
-            except QueueUnavailableError:
-                raise QueueUnreachableError(
-                    f"queue.address {address!r}: no queue answered within {wait:g}s (is "
-                    "`satjax serve-queue` running there, and reachable from here? "
-                    "queue.ready_timeout_s waits longer)") from None
-        else:
+        if not cfg.queue.address:
             def queue_ready() -> bool:
                 try:
                     client.wait_ready(timeout=1.0)

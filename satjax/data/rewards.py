@@ -58,6 +58,27 @@ def import_reward(spec: str) -> RewardFn:
     return fn
 
 
+def reward_path(spec: str) -> str:
+    """The ``PYTHONPATH`` entry a user's reward (``spec``, "module:function", imported
+    already) was found on, as written there (a shell that continues the run needs it
+    too); "" for a built-in reward, or a module found elsewhere (installed, or in the
+    working directory, which ``satjax`` searches itself)."""
+    module = sys.modules.get(spec.partition(":")[0]) if ":" in spec else None
+    file = getattr(module, "__file__", None)
+    if not file:
+        return ""
+    for entry in filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)):
+        if os.path.abspath(entry) == os.getcwd():
+            continue
+        # the module's file below the entry: entry/pkg/mod.py for "pkg.mod"
+        parts = spec.partition(":")[0].split(".")
+        if any(os.path.samefile(file, os.path.join(entry, *parts) + ext)
+               for ext in (".py", os.sep + "__init__.py")
+               if os.path.exists(os.path.join(entry, *parts) + ext)):
+            return entry
+    return ""
+
+
 def example_name(ex: Example) -> str:
     """How an error names an example: its row in the file and its prompt id (a built-in
     task's examples have no row: ``index`` -1)."""
@@ -126,18 +147,35 @@ def checked_reward(spec: str, timeout_s: float = math.inf) -> RewardFn:
     def reward(response: str, example: Example) -> float:
         call.current = (example,)
         try:
-            value = float(fn(response, example))
+            raw = fn(response, example)
         except Exception as e:
             raise RewardError(f"task.reward {spec!r} failed on {example_name(example)}: "
                               f"{type(e).__name__}: {e}") from e
         finally:
             call.current = None
+        # a number (int, float, a numpy scalar, True/False), never a text float() would
+        # parse: a reward returning "1.0" is a bug to report, not a score
+        if isinstance(raw, str | bytes) or not hasattr(raw, "__float__"):
+            raise RewardError(f"task.reward {spec!r} returned {raw!r} "
+                              f"({type(raw).__name__}) on {example_name(example)}; must be "
+                              "a number")
+        value = float(raw)
         if not math.isfinite(value):
             raise RewardError(f"task.reward {spec!r} returned {value} on "
                               f"{example_name(example)}; must be finite")
         return value
 
     return reward
+
+
+def check_on(reward: RewardFn, spec: str, example: Example) -> None:
+    """Calls a user's ``reward`` (``task.reward`` ``spec``, from :func:`checked_reward`)
+    once, with ``example``'s reference answer as the response, so that a reward that
+    raises, takes other arguments or returns no finite number stops the start, naming the
+    example (:class:`RewardError`), not a worker after its first rollouts. The built-in
+    rewards are not called (their tests check them)."""
+    if spec not in BUILTIN_REWARDS:
+        reward(example.answer, example)
 
 
 def overlong_penalty(length: int, truncated: bool, max_new_tokens: int, buffer: int,

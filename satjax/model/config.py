@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # the fields of Qwen3MoeConfig that fix the parameters' shapes and the routing
@@ -14,62 +15,94 @@ ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size",
                        "tie_word_embeddings", "attention_bias")
 
 
+def _field(default: Any, must: str, ok: Callable[[Any, Any], bool]) -> Any:
+    """A field that takes the values ``ok(value, config)`` accepts (fields before it are
+    checked already); ``must`` says which, for the error
+    ``"<field>: must be <must>, got <value>"``."""
+    return dataclasses.field(default=default, metadata={"must": must, "ok": ok})
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(v: Any, c: Any) -> bool:
+    return _int(v) and v >= 1
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _bool(v: Any, c: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _token_id(v: Any, c: Any) -> bool:
+    return v is None or (_int(v) and 0 <= v < c.vocab_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig:
     """Hyperparameters of a Qwen3-MoE decoder. Field names equal HF ``Qwen3MoeConfig``.
 
     Layer ``i`` is a sparse MoE layer iff ``i not in mlp_only_layers`` and
     ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0`` (as in HF); other layers
-    use a dense SwiGLU MLP of width ``intermediate_size``.
+    use a dense SwiGLU MLP of width ``intermediate_size``. Each field's range is written
+    beside it; constructing a config checks them in order, raising ValueError
+    ``"<field>: must be ..., got ..."`` for the first value out of range.
     """
 
-    vocab_size: int = 151936
-    hidden_size: int = 2048
-    intermediate_size: int = 6144
-    moe_intermediate_size: int = 768
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 4
-    head_dim: int = 128
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    initializer_range: float = 0.02
-    router_aux_loss_coef: float = 0.001
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
+    vocab_size: int = _field(151936, "an int >= 1", _positive)
+    hidden_size: int = _field(2048, "an int >= 1", _positive)
+    intermediate_size: int = _field(6144, "an int >= 1 (the dense MLP's width)", _positive)
+    moe_intermediate_size: int = _field(768, "an int >= 1 (an expert's width)", _positive)
+    num_hidden_layers: int = _field(24, "an int >= 1", _positive)
+    num_attention_heads: int = _field(32, "an int >= 1", _positive)
+    num_key_value_heads: int = _field(
+        4, "an int >= 1 that divides num_attention_heads (grouped-query attention)",
+        lambda v, c: _positive(v, c) and c.num_attention_heads % v == 0)
+    head_dim: int = _field(128, "an even int >= 2 (RoPE rotates pairs of dimensions)",
+                           lambda v, c: _positive(v, c) and v % 2 == 0)
+    num_experts: int = _field(128, "an int >= 0 (0: every layer a dense MLP)",
+                              lambda v, c: _int(v) and v >= 0)
+    num_experts_per_tok: int = _field(
+        8, "an int in [1, num_experts] (the experts each token is routed to)",
+        lambda v, c: c.num_experts == 0 or (_int(v) and 1 <= v <= c.num_experts))
+    norm_topk_prob: bool = _field(True, "true or false", _bool)
+    decoder_sparse_step: int = _field(1, "an int >= 1", _positive)
+    mlp_only_layers: tuple[int, ...] = _field(
+        (), "a list of layer indices in [0, num_hidden_layers)",
+        lambda v, c: isinstance(v, tuple)
+        and all(_int(i) and 0 <= i < c.num_hidden_layers for i in v))
+    rms_norm_eps: float = _field(1e-6, "a number > 0", lambda v, c: _number(v) and v > 0)
+    rope_theta: float = _field(1_000_000.0, "a number > 0",
+                               lambda v, c: _number(v) and v > 0)
+    max_position_embeddings: int = _field(32768, "an int >= 1", _positive)
+    tie_word_embeddings: bool = _field(False, "true or false", _bool)
+    attention_bias: bool = _field(False, "true or false", _bool)
+    hidden_act: str = _field("silu", "'silu' (the only activation Qwen3 uses)",
+                             lambda v, c: v == "silu")
+    initializer_range: float = _field(0.02, "a number >= 0",
+                                      lambda v, c: _number(v) and v >= 0)
+    router_aux_loss_coef: float = _field(0.001, "a number >= 0",
+                                         lambda v, c: _number(v) and v >= 0)
+    bos_token_id: int | None = _field(None, "null or a token id in [0, vocab_size)", _token_id)
+    eos_token_id: int | tuple[int, ...] | None = _field(
+        None, "null or token id(s) in [0, vocab_size)",
+        lambda v, c: all(_token_id(i, c) for i in v) if isinstance(v, tuple)
+        else _token_id(v, c))
+    pad_token_id: int | None = _field(None, "null or a token id in [0, vocab_size)", _token_id)
 
     def __post_init__(self) -> None:
         if isinstance(self.mlp_only_layers, list):
             object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "decoder_sparse_step")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
-                f"got {self.num_experts_per_tok}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["ok"](value, self):
+                raise ValueError(f"{f.name}: must be {f.metadata['must']}, got {value!r}")
 
     # ----------------------------------------------------------------------------------
     @property

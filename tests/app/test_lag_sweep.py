@@ -255,3 +255,46 @@ def test_every_row_of_the_papers_grid_runs(tmp_path):
         if row["replay"] == "experts":
             assert all(m["router_mismatch_applied"] == 0.0 for m in records), variant
     assert result["hparams"] == {} and result["objective"] == "sat_gspo"  # the last row
+
+
+def test_ctrl_c_of_a_sweep_is_one_line_and_its_runs_stop(tmp_path):
+    """A terminal's Ctrl-C reaches the sweep and every run's process: before, each printed
+    its own traceback (230 lines in all). Now: one line, exit 130, the runs' processes gone
+    (they ignore SIGINT and get SIGTERM from the kernel when the sweep exits)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--out", str(tmp_path), "--lags", "1",
+           "--seeds", "0,1", "--steps", "50", "--jobs", "2", "--variants", "gspo",
+           "--set", "sft.steps=2", "--compile-cache", "none"]
+    # its own session: the SIGINT goes to its process group, as a terminal's would
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # the pool has started its runs
+            if "in parallel" in line:
+                break
+        time.sleep(3)  # the runs import and compile
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # any process of the sweep's group left?
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sweep's runs outlived it by 30 s")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    after = err[err.rindex("lag sweep:"):].strip().splitlines()[1:]  # after its progress bar
+    assert after == [
+        f"satjax lag-sweep: interrupted; the finished runs are kept in {tmp_path} (the same "
+        "command reuses them)"], err[-3000:]

@@ -286,9 +286,12 @@ def test_a_failed_checkpoint_save_ends_the_process_and_its_children(tmp_path,
 def test_a_reward_that_never_returns_stops_the_run_naming_the_example(tmp_path):
     """Before: the worker hung in the reward and the trainer waited for its rollouts,
     silent, for ever."""
+    # it answers the start's check (the reference answer) and hangs on what a worker samples
     (tmp_path / "hang_reward.py").write_text("import time\n"
                                              "def score(response, example):\n"
-                                             "    time.sleep(1e6)\n")
+                                             "    if response != example.answer:\n"
+                                             "        time.sleep(1e6)\n"
+                                             "    return 1.0\n")
     proc = _start_train(tmp_path, "--set", "sft.mode=never", "--set",
                         "task.reward=hang_reward:score", "--set", "task.reward_timeout_s=2",
                         pythonpath=[tmp_path])

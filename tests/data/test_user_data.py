@@ -104,6 +104,28 @@ def test_user_reward_imported_once_and_errors_name_the_example(tmp_path, monkeyp
     assert checked_reward("exact")("2\n", Example("p", "", "2")) == 1.0
 
 
+def test_a_reward_that_returns_no_number_is_refused_naming_the_example(tmp_path,
+                                                                      monkeypatch):
+    """``float("1.0")`` parses text: a reward returning the string "1.0" used to be taken."""
+    import numpy as np
+
+    (tmp_path / "typed_rewards.py").write_text(
+        "import numpy as np\n"
+        "def text(response, example):\n    return '1.0'\n"
+        "def nothing(response, example):\n    pass\n"
+        "def numpy(response, example):\n    return np.float32(0.5)\n"
+        "def boolean(response, example):\n    return response == example.answer\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ex = Example("q1", "?", "1", index=7)
+    with pytest.raises(RewardError, match=r"^task.reward 'typed_rewards:text' returned '1.0' "
+                       r"\(str\) on example 7 \(q1\); must be a number$"):
+        checked_reward("typed_rewards:text")("1", ex)
+    with pytest.raises(RewardError, match=r"returned None \(NoneType\) on example 7"):
+        checked_reward("typed_rewards:nothing")("1", ex)
+    assert checked_reward("typed_rewards:numpy")("1", ex) == np.float32(0.5)
+    assert checked_reward("typed_rewards:boolean")("1", ex) == 1.0
+
+
 def test_eval_file_is_scored_whole_and_split_never_repeats(tmp_path):
     exs = load_examples(_jsonl(tmp_path / "d.jsonl"), question_field="problem",
                         answer_field="solution")
