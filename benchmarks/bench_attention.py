@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.machine import print_versions
-from satjax.model.attention import blockwise_attention, reference_attention
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
+from benchmarks.machine import print_versions  # noqa: E402
+from satjax.model.attention import blockwise_attention, reference_attention  # noqa: E402
 
 IMPLS = {"reference": reference_attention, "blockwise": blockwise_attention}
 

@@ -9,14 +9,19 @@ same layer L times when unrolled); prints the versions line, both times and thei
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.machine import print_versions
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
+from benchmarks.machine import print_versions  # noqa: E402
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs  # noqa: E402
 
 
 def compile_seconds(cfg: Qwen3MoeConfig, scan_layers: bool, ids: jax.Array) -> float:

@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 if "--multi-thread" not in sys.argv:  # one XLA thread: steadier figures on a shared host
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -34,8 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.machine import print_versions
-from satjax import losses
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
+from benchmarks.machine import print_versions  # noqa: E402
+from satjax import losses  # noqa: E402
 
 # Each objective's own default radii (the GSPO family's and the token-level ones).
 EPS = {"eps_low": losses.GspoHParams.eps_low, "eps_high": losses.GspoHParams.eps_high}

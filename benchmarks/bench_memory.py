@@ -37,6 +37,10 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

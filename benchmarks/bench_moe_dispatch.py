@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 # compiling only: share libtpu with any other process that holds its lock file
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -39,6 +41,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
 
 from benchmarks.machine import print_versions  # noqa: E402
 from satjax.model import Qwen3MoeConfig  # noqa: E402

@@ -21,14 +21,19 @@ TPU lower it to (Megablox on TPU); the jaxpr column is the program they get.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.machine import print_versions
-from satjax.model.moe import (
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
+from benchmarks.machine import print_versions  # noqa: E402
+from satjax.model.moe import (  # noqa: E402
     MOE_CHUNK_TOKENS,
     dense_einsum_experts,
     grouped_experts,

@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 BIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048,

@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.machine import print_versions
-from satjax import parallel
-from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from satjax.train.batch import Batch
-from satjax.train.state import TrainState, make_optimizer
-from satjax.train.step import make_train_step
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python benchmarks/<this>.py`: `benchmarks` importable
+
+from benchmarks.machine import print_versions  # noqa: E402
+from satjax import parallel  # noqa: E402
+from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from satjax.train.batch import Batch  # noqa: E402
+from satjax.train.state import TrainState, make_optimizer  # noqa: E402
+from satjax.train.step import make_train_step  # noqa: E402
 
 
 def synthetic_batch(cfg: Qwen3MoeConfig, B: int, T: int, group_size: int, seed: int) -> Batch:
