@@ -247,16 +247,47 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
         f"compiler {compiler} (jax {jax.__version__})")
 
     def compile_train(c) -> tuple[StepMemory, Any]:
+        """The step's bytes and program; raises DoesNotFit when the compiler refuses it."""
         t0 = time.perf_counter()
         say(f"compiling the train step (mesh {_mesh(c)}, remat {c.train.remat}, "
             f"scan_layers {c.model.scan_layers}) ...")
-        compiled = compile_step(c, mcfg, micro_batch=args.micro_batch, seq_len=seq_len,
-                                devices=devices)
+        try:
+            compiled = compile_step(c, mcfg, micro_batch=args.micro_batch, seq_len=seq_len,
+                                    devices=devices)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            refusal = DoesNotFit(str(e))
+            say(f"  refused in {time.perf_counter() - t0:.0f} s: {refusal}")
+            raise refusal from None
         mem = StepMemory.of(compiled)
         say(f"  compiled in {time.perf_counter() - t0:.0f} s: {mem.summary()}")
         return mem, compiled
 
-    mem, compiled = compile_train(cfg)
+    tokens = args.micro_batch * seq_len * cfg.train.grad_accum  # per chip per step
+    flops = tokens * step_flops_per_token(cfg, mcfg, seq_len)
+    compute_s = flops / (chip.bf16_tflops * 1e12 * args.mfu)
+    try:
+        mem, compiled = compile_train(cfg)
+    except DoesNotFit as refusal:
+        # libtpu refuses a program whose temporaries exceed the chip's HBM: no buffer
+        # assignment, no HLO; what it says it needed is a lower bound of the peak
+        refused: dict[str, Any] = {"topology": args.topology, "chips": chips, "compiler": compiler,
+                  "seq_len": seq_len, "micro_batch": args.micro_batch, "fits": False,
+                  "refused": refusal.line, "peak_gib": refusal.needed_gib,
+                  "peak_is_lower_bound": True, "hbm_gib": hbm_gib,
+                  "compiler_hbm_gib": refusal.available_gib, "step_flops": flops,
+                  "collective_bytes": None, "compute_s": compute_s,
+                  "step_s_roofline": compute_s, "mfu": args.mfu,
+                  "chip_source": chip.source}
+        say(f"train step, per chip ({chip.name}, {hbm_gib:g} GiB HBM): DOES NOT FIT "
+            f"({refusal.line})")
+        if not args.no_alternatives:
+            refused["fits_with"] = _first_that_fits(cfg, mcfg, compile_train, hbm_gib * GIB,
+                                                    say)
+        if args.json:
+            print(json.dumps(refused, indent=1))
+        return 0
     hlo = compiled.as_text()
     if args.hlo:
         with open(args.hlo, "w") as fh:
@@ -265,9 +296,6 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
     # None where the compiler has no cost model: XLA:GPU's compile-only executable
     cost = compiled.cost_analysis()
     xla_flops = float(cost["flops"]) if cost else None
-    tokens = args.micro_batch * seq_len * cfg.train.grad_accum  # per chip per step
-    flops = tokens * step_flops_per_token(cfg, mcfg, seq_len)
-    compute_s = flops / (chip.bf16_tflops * 1e12 * args.mfu)
     comm_s = coll.traffic / (chip.ici_gbps * 1e9) if chip.ici_gbps else None
     step_s = max(compute_s, comm_s or 0.0)
     hbm = hbm_gib * GIB
@@ -322,6 +350,20 @@ def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
     return 0
 
 
+class DoesNotFit(Exception):
+    """The compiler refused the program for want of memory (libtpu: "RESOURCE_EXHAUSTED:
+    Ran out of memory on HBM, the total memory required for HLO temporaries (35.63G)
+    exceeds available HBM (31.25G)"): ``line`` is its first line, ``needed_gib`` and
+    ``available_gib`` the figures it names (None where it names none)."""
+
+    def __init__(self, message: str) -> None:
+        self.line = message.strip().splitlines()[0] if message.strip() else "out of memory"
+        figures = re.findall(r"\(([0-9.]+)G\)", self.line)
+        self.needed_gib = float(figures[0]) if figures else None
+        self.available_gib = float(figures[1]) if len(figures) > 1 else None
+        super().__init__(self.line)
+
+
 def step_flops_per_token(cfg, mcfg, seq_len: int) -> float:
     """Model FLOPs per trained token of one train step: forward + backward (6 x active
     parameters + causal attention), plus a forward (a third of that) for each of remat's
@@ -342,18 +384,21 @@ def _mesh(cfg) -> str:
                                                        strict=True) if n > 1) + "}"
 
 
-def _alternatives(cfg, mcfg) -> list[tuple[str, Any]]:
-    """What to try when the step does not fit, cheapest change first: full remat, a
-    scanned layer stack, then fsdp x expert splits of the same chips with more fsdp."""
-    out = []
+def _alternatives(cfg, mcfg) -> list[tuple[list[str], Any]]:
+    """What to try when the step does not fit, cheapest change first, each as the
+    ``--set`` lines that make it and its config: full remat, then also a scanned layer
+    stack, then also each other fsdp x expert split of the same chips (most experts
+    first: the expert weights stay the most sharded)."""
+    out: list[tuple[list[str], Any]] = []
+    changes: list[str] = []
     if cfg.train.remat != "full":
-        out.append(("train.remat=full", dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, remat="full"))))
-        cfg = out[-1][1]
+        changes = [*changes, "train.remat=full"]
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat="full"))
+        out.append((changes, cfg))
     if not cfg.model.scan_layers:
-        out.append(("model.scan_layers=true", dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, scan_layers=True))))
-        cfg = out[-1][1]
+        changes = [*changes, "model.scan_layers=true"]
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=True))
+        out.append((changes, cfg))
     m = cfg.train.mesh
     n = m.size // m.tensor
     for expert in sorted((e for e in range(1, n + 1) if n % e == 0
@@ -362,24 +407,27 @@ def _alternatives(cfg, mcfg) -> list[tuple[str, Any]]:
         if (fsdp, expert) == (m.fsdp * m.data, m.expert):
             continue
         mesh = dataclasses.replace(m, data=1, fsdp=fsdp, expert=expert)
-        out.append((f"train.mesh={{fsdp: {fsdp}, expert: {expert}, tensor: {m.tensor}}}",
+        out.append(([*changes, f"train.mesh={{fsdp: {fsdp}, expert: {expert}, "
+                                f"tensor: {m.tensor}}}"],
                     dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mesh=mesh))))
     return out
 
 
 def _first_that_fits(cfg, mcfg, compile_train, hbm: float, say) -> list[str] | None:
-    tried: list[str] = []
-    for change, alt in _alternatives(cfg, mcfg):
-        tried.append(change)
+    """The ``--set`` lines of the first alternative (:func:`_alternatives`) whose step
+    fits ``hbm`` bytes, or None."""
+    for changes, alt in _alternatives(cfg, mcfg):
         try:
             mem, _ = compile_train(alt)
+        except DoesNotFit:
+            continue
         except ValueError as e:  # e.g. a split whose batch holds no whole group
-            say(f"  {change}: {e}")
+            say(f"  {changes[-1]}: {e}")
             continue
         if mem.peak <= hbm:
-            say("fits with: " + " ".join(f"--set '{c}'" for c in tried))
-            return tried
-    say("no alternative tried fits: " + ", ".join(tried))
+            say("fits with: " + " ".join(f"--set '{c}'" for c in changes))
+            return changes
+    say("no alternative tried fits")
     return None
 
 

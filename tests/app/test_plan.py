@@ -83,34 +83,55 @@ def test_collectives_of_a_module_without_entry_is_an_error():
 
 def test_alternatives_go_from_cheap_changes_to_other_splits():
     cfg = load_config(None, ["train.mesh={fsdp: 2, expert: 4}"])
-    mcfg = plan_model(cfg)
-    names = [name for name, _ in plan._alternatives(cfg, mcfg)]
-    assert names[:2] == ["train.remat=full", "model.scan_layers=true"]
-    # the same 8 chips, every expert count that divides the 8 experts, most experts first,
-    # the config's own split left out
-    assert names[2:] == ["train.mesh={fsdp: 1, expert: 8, tensor: 1}",
-                         "train.mesh={fsdp: 4, expert: 2, tensor: 1}",
-                         "train.mesh={fsdp: 8, expert: 1, tensor: 1}"]
-    last = plan._alternatives(cfg, mcfg)[-1][1]
-    assert last.train.remat == "full" and last.model.scan_layers  # changes accumulate
+    alternatives = plan._alternatives(cfg, plan_model(cfg))
+    # each is the whole set of changes that makes it: remat, then also scan, then also a
+    # split of the same 8 chips for every expert count that divides the 8 experts, most
+    # experts first, the config's own split left out
+    cheap = ["train.remat=full", "model.scan_layers=true"]
+    assert [changes for changes, _ in alternatives] == [
+        cheap[:1], cheap,
+        [*cheap, "train.mesh={fsdp: 1, expert: 8, tensor: 1}"],
+        [*cheap, "train.mesh={fsdp: 4, expert: 2, tensor: 1}"],
+        [*cheap, "train.mesh={fsdp: 8, expert: 1, tensor: 1}"]]
+    last = alternatives[-1][1]
+    assert last.train.remat == "full" and last.model.scan_layers
+    assert (last.train.mesh.fsdp, last.train.mesh.expert) == (8, 1)
 
 
 def test_the_first_alternative_that_fits_is_named():
     from satjax.train.memory import StepMemory
 
     cfg = load_config(None, ["train.mesh={fsdp: 2, expert: 4}"])
-    peaks = iter([9, 7, 5, 3])  # GiB of each alternative, in order
+    # GiB each alternative needs, in order; libtpu refuses the second outright
+    outcomes = iter([9, "refused", 5, 3])
     said = []
 
     def compile_train(c):
-        return StepMemory(arguments=next(peaks) << 30, outputs=0, aliased=0,
-                          temporaries=0), None
+        peak = next(outcomes)
+        if peak == "refused":
+            raise plan.DoesNotFit("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total "
+                                  "memory required for HLO temporaries (35.63G) exceeds "
+                                  "available HBM (31.25G).\nmore")
+        return StepMemory(arguments=peak << 30, outputs=0, aliased=0, temporaries=0), None
 
     fits = plan._first_that_fits(cfg, plan_model(cfg), compile_train, 6 << 30, said.append)
     assert fits == ["train.remat=full", "model.scan_layers=true",
                     "train.mesh={fsdp: 1, expert: 8, tensor: 1}"]
     assert said[-1] == ("fits with: --set 'train.remat=full' --set 'model.scan_layers=true' "
                         "--set 'train.mesh={fsdp: 1, expert: 8, tensor: 1}'")
+    outcomes = iter([9, 9, 9, 9, 9])
+    assert plan._first_that_fits(cfg, plan_model(cfg), compile_train, 6 << 30,
+                                 said.append) is None
+    assert said[-1] == "no alternative tried fits"
+
+
+def test_a_compiler_refusal_for_memory_names_its_figures():
+    e = plan.DoesNotFit("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                        "required for HLO temporaries (35.63G) exceeds available HBM "
+                        "(31.25G).\n\tdetails")
+    assert e.line.endswith("exceeds available HBM (31.25G).")
+    assert (e.needed_gib, e.available_gib) == (35.63, 31.25)
+    assert plan.DoesNotFit("RESOURCE_EXHAUSTED: no figures").needed_gib is None
 
 
 def plan_model(cfg):
