@@ -164,11 +164,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.topology} has {chips} chips: --set 'train.mesh={{...}}' to use "
               f"{chips}", file=sys.stderr)
         return 2
+    import jax
+
     try:
         return _plan(args, cfg, chips)
     except ValueError as e:  # a topology the compiler refuses, a batch that holds no group
         print(f"satjax plan: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:
+        # a program the compiler cannot build for this slice (libtpu on v5e-256: "Ragged
+        # all-to-all is currently not supported in limited ICI routing settings"): its
+        # first line is the answer; the traceback is jax's, not the user's
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"satjax plan: the compiler refused the program: {first}", file=sys.stderr)
+        return 1
 
 
 def _devices(args: argparse.Namespace, chips: int) -> list[Any]:

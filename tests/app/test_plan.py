@@ -203,3 +203,17 @@ def test_collectives_after_a_custom_call_whose_config_spans_lines_are_counted():
     ])
     (ar,) = collectives(hlo, 4).by_kind
     assert (ar.kind, ar.count, ar.bytes, ar.traffic) == ("all-reduce", 1, 32, 48)
+
+
+def test_a_program_the_compiler_cannot_build_is_one_line_exit_1(monkeypatch, capsys):
+    def refused(*_):
+        raise jax.errors.JaxRuntimeError(
+            "INTERNAL: RET_CHECK failure (ragged_all_to_all_emitter.cc:325) Ragged all-to-all "
+            "is currently not supported in limited ICI routing settings\nmore lines")
+
+    monkeypatch.setattr(plan, "_plan", refused)
+    assert plan.main(["--topology", "v5e:2x2", "--set", "train.mesh={data: 4}"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "satjax plan: the compiler refused the program: INTERNAL: RET_CHECK failure "
+        "(ragged_all_to_all_emitter.cc:325) Ragged all-to-all is currently not supported in "
+        "limited ICI routing settings"]
