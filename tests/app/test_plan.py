@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from satjax.app import plan
 from satjax.app.hlo import collectives
 from satjax.config import load_config
-from satjax.parallel import parse_topology, topology_devices
+from satjax.parallel import parse_topology
 
 # libtpu off a TPU VM, as plan sets it up: a slice type named so that it does not probe
 # for one, and no lock on the (absent) chips, so the plan subprocesses load it too
@@ -26,18 +26,35 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _with_libtpu(code: str):
+    """Runs ``code``, which sets ``out``, in a fresh process with this module importable and
+    returns ``out`` (through JSON): libtpu, a runtime of its own, is loaded there, never in
+    the long test process whose later XLA:CPU compiles would share a process with it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = f"import json, sys; sys.path.insert(0, {here!r})\n{code}\nprint(json.dumps(out))"
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_topology_names_parse_and_give_one_device_per_chip():
     assert parse_topology("v5p:4x4x4") == ("v5p", (4, 4, 4))
     assert parse_topology("v6e:8x8") == ("v6e", (8, 8))
     for bad in ("v7:2x2", "v5p", "v5p:", "v5p:4x0x4", "v5p:4xx4", "tpu:2x2"):
         with pytest.raises(ValueError, match="expected GENERATION:AxB"):
             parse_topology(bad)
-    devices = topology_devices("v4:2x2x1")  # v4's two cores are one device (megacore)
-    assert len(devices) == 4 and devices[0].platform == "tpu"
-    assert devices[0].device_kind == "TPU v4"
-    assert [d.device_kind for d in topology_devices("v5e:2x2")] == ["TPU v5 lite"] * 4
-    with pytest.raises(ValueError, match="not divisible"):  # libtpu's own refusal, one line
-        topology_devices("v5p:3x3")
+    out = _with_libtpu(
+        "from satjax.parallel import topology_devices\n"
+        "v4 = topology_devices('v4:2x2x1')\n"
+        "try:\n    topology_devices('v5p:3x3'); refusal = None\n"
+        "except ValueError as e:\n    refusal = str(e)\n"
+        "out = [[d.platform for d in v4], [d.device_kind for d in v4],\n"
+        "       [d.device_kind for d in topology_devices('v5e:2x2')], refusal]")
+    platforms, v4_kinds, v5e_kinds, refusal = out
+    assert platforms == ["tpu"] * 4  # v4's two cores are one device (megacore)
+    assert v4_kinds == ["TPU v4"] * 4 and v5e_kinds == ["TPU v5 lite"] * 4
+    assert "not divisible" in refusal and "\n" not in refusal  # libtpu's refusal, one line
 
 
 def _looped_program(devices):
@@ -64,9 +81,15 @@ def _looped_program(devices):
 
 @pytest.mark.parametrize("where", ["tpu", "cpu"])
 def test_collectives_are_counted_per_loop_iteration(where):
-    devices = topology_devices("v5e:2x2") if where == "tpu" else jax.devices()[:4]
-    compiled, n = _looped_program(devices)
-    stats = {c.kind: c for c in collectives(compiled.as_text(), n).by_kind}
+    if where == "tpu":
+        hlo = _with_libtpu("from satjax.parallel import topology_devices\n"
+                           "from test_plan import _looped_program\n"
+                           "out = _looped_program(topology_devices('v5e:2x2'))[0].as_text()")
+        n = 4
+    else:
+        compiled, n = _looped_program(jax.devices()[:4])
+        hlo = compiled.as_text()
+    stats = {c.kind: c for c in collectives(hlo, n).by_kind}
     assert stats["all-gather"].count == 1
     assert stats["all-gather"].bytes == 4 * n * 8 * 4  # the gathered [16, 8] float32
     assert stats["all-gather"].traffic == 4 * n * 8 * 4 * (n - 1) // n
