@@ -53,7 +53,10 @@ def test_bf16_compute_trains_like_float32(shape, run, float32_run):
     p0, ref, _, ref_metrics = float32_run
     _, params, opt_state, metrics = run(jnp.bfloat16, shape)
     for m, r in zip(metrics, ref_metrics, strict=True):
-        np.testing.assert_allclose(m["loss"], r["loss"], rtol=2e-2)
+        # and an absolute 5e-4: the loss is a mean of terms of size |advantage| ~ 1 that
+        # nearly cancel (~0.009 here), so bf16's rounding of the terms (~2^-9 each) is
+        # not relative to the mean (2.5e-4 = 2.8% apart at mesh (2, 1, 4, 1))
+        np.testing.assert_allclose(m["loss"], r["loss"], rtol=2e-2, atol=5e-4)
         np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=1e-2)
         assert m["nonfinite_steps"] == 0
     update = max(float(np.abs(a - b).max()) for a, b in
