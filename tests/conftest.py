@@ -50,3 +50,25 @@ def _no_process_wide_compile_cache():
 
         assert jax.config.jax_compilation_cache_dir is None, (
             "this test left JAX's compilation cache dir set; run such code in a subprocess")
+
+
+@pytest.fixture
+def mount_tmpfs():
+    """``mount_tmpfs(path, "size=3m")`` mounts a tmpfs on the existing directory ``path``
+    (mount options as ``mount -o`` takes them), unmounted after the test; skips the test
+    where mounting needs rights it lacks (root or a user namespace)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(path, options: str):
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs ({options}; needs root): {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=False)

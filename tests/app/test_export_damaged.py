@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 
 import jax
 import pytest
@@ -125,16 +124,11 @@ def test_a_bit_flip_in_a_keyframe_is_refused_by_eval_and_the_good_chain_exports(
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, mount_tmpfs):
     """A 24 MiB tmpfs (needs mount rights: root or a user namespace)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    return mount_tmpfs(disk, "size=24m")
 
 
 @pytest.mark.slow

@@ -240,17 +240,12 @@ def test_ctrl_c_during_start_up_exits_130_at_once(tmp_path, phase, sft_steps):
 
 
 @pytest.fixture
-def read_only_checkpoints(tmp_path):
+def read_only_checkpoints(tmp_path, mount_tmpfs):
     """``<run>/checkpoints`` a read-only tmpfs (root ignores file modes, not a read-only
     mount; mounting needs root or a user namespace)."""
     ckpt = tmp_path / "run" / "checkpoints"
     ckpt.mkdir(parents=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ckpt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {r.stderr.strip()}")
-    yield ckpt
-    subprocess.run(["umount", "-l", str(ckpt)], check=False)
+    return mount_tmpfs(ckpt, "size=1m,ro")
 
 
 @pytest.mark.slow

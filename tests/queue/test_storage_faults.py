@@ -3,7 +3,6 @@
 import errno
 import json
 import os
-import subprocess
 import threading
 import time
 import zlib
@@ -80,16 +79,11 @@ def test_failed_write_is_rolled_back_and_puts_resume(tmp_path, token, make_traj,
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, mount_tmpfs):
     """A 3 MiB tmpfs (needs mount rights: root or a user namespace)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {r.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    return mount_tmpfs(disk, "size=3m")
 
 
 def test_full_disk_refuses_puts_then_resumes_and_loses_nothing(
