@@ -17,15 +17,12 @@ from satjax.data.tasks import ArithmeticTask
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, canary_logprobs, from_pretrained
 from satjax.model.hf_io import hf_state_dict
 from satjax.model.tokenizer import CharTokenizer
-from satjax.queue.client import QueueClient
-from satjax.queue.server import QueueServer
 from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import RolloutWorker, WorkerConfig
 from satjax.train.publish import ShardedPublisher
 from satjax.weight_sync import WeightPublisher, WeightSubscriber, check_canary
 
-TOKEN = "damaged-weights-token"
 EMBED = "model.embed_tokens.weight"
 
 
@@ -62,17 +59,6 @@ def flip_bit(file, offset, bit):
     data = bytearray(file.read_bytes())
     data[offset] ^= 1 << bit
     file.write_bytes(bytes(data))
-
-
-@pytest.fixture()
-def queue(tmp_path):
-    server = QueueServer(tmp_path / "queue", TOKEN)
-    port = server.start(0)
-    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
-    client.wait_ready(timeout=30)
-    yield client
-    client.close()
-    server.stop(1.0)
 
 
 def worker_for(weights, tok, queue):

@@ -21,14 +21,10 @@ from satjax.model import (
 )
 from satjax.model.logprobs import router_mismatch
 from satjax.model.tokenizer import CharTokenizer
-from satjax.queue.client import QueueClient
-from satjax.queue.server import QueueServer
 from satjax.rollout.builtin_engine import BuiltinEngine
 from satjax.rollout.engine import SamplingParams
 from satjax.rollout.worker import GroupSampler, RolloutWorker, WorkerConfig
 from satjax.weight_sync import WeightPublisher, WeightSubscriber
-
-TOKEN = "worker-test-token"
 
 
 def _model(tok, seed):
@@ -40,17 +36,6 @@ def _model(tok, seed):
 def _publish(pub, model, version, tokens, **kw):
     pub.publish(version, lambda d: save_pretrained(model, str(d)),
                 canary={"tokens": tokens, "logprobs": canary_logprobs(model, tokens)}, **kw)
-
-
-@pytest.fixture()
-def queue(tmp_path):
-    server = QueueServer(tmp_path / "queue", TOKEN)
-    port = server.start(0)
-    client = QueueClient(f"127.0.0.1:{port}", token=TOKEN)
-    client.wait_ready(timeout=30)
-    yield client
-    client.close()
-    server.stop(1.0)
 
 
 @pytest.mark.slow
