@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
+from satjax.trajectory import ROUTER_FIELDS
+
 
 class ConfigError(ValueError):
     """A bad configuration key or value; the message names the dotted key."""
@@ -552,14 +554,14 @@ def max_sequence_tokens(cfg: Config) -> int:
     return cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens
 
 
-def router_record(cfg: Config) -> tuple[str, ...]:
-    """The router fields (``Trajectory`` names) every trajectory of the run carries, with
-    either engine: the experts and their gate weights when ``rollout.record_routes``, the
-    full router logits too when ``rollout.record_router_logits`` (for an MoE model)."""
+def recorded_router_fields(cfg: Config) -> tuple[str, ...]:
+    """The fields of :data:`~satjax.trajectory.ROUTER_FIELDS` every trajectory of the run
+    carries, with either engine: the experts and their gate weights when
+    ``rollout.record_routes``, the full router logits too when
+    ``rollout.record_router_logits`` (for an MoE model)."""
     if not cfg.rollout.record_routes:
         return ()
-    logits = ("router_logits",) if cfg.rollout.record_router_logits else ()
-    return ("routed_experts", "routed_gates", *logits)
+    return ROUTER_FIELDS if cfg.rollout.record_router_logits else ROUTER_FIELDS[:2]
 
 
 def train_buckets(cfg: Config) -> tuple[int, ...]:

@@ -40,7 +40,13 @@ from tqdm import tqdm
 
 from satjax.app.evaluate import eval_during_training
 from satjax.app.launch import ProcessGroup, new_token
-from satjax.config import Config, config_digest, dump_config, router_record, train_buckets
+from satjax.config import (
+    Config,
+    config_digest,
+    dump_config,
+    recorded_router_fields,
+    train_buckets,
+)
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.prompts import PromptFormat
 from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
@@ -224,7 +230,7 @@ def queue_limit_flags(cfg: Config, model_config: Qwen3MoeConfig) -> list[str]:
     with and without a field cannot be trained on): refused at put, such a group would
     stop the trainer on every delivery."""
     moe = bool(model_config.moe_layer_indices)
-    required = router_record(cfg) if moe else ()
+    required = recorded_router_fields(cfg) if moe else ()
     refused = [field for field in ROUTER_FIELDS if field not in required]
     # a dense model's trajectories carry no routes (all refused): nothing to bound
     routes = ["--num-experts", str(model_config.num_experts),

@@ -33,7 +33,7 @@ import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from satjax.queue._proto import pb2
-from satjax.trajectory import Trajectory
+from satjax.trajectory import ROUTER_FIELDS, Trajectory
 
 # ===================================================================================
 # Wire dtypes and field numbers
@@ -335,8 +335,7 @@ class TrajectoryView:
     def unknown(self) -> list[str]:
         """The fields this build does not know, by number (``routed_gates.9`` for one in a
         sub-message), as a newer writer's schema may add them."""
-        return self._unknown + [f"{name}.{n}" for name in ("routed_experts", "routed_gates",
-                                                           "router_logits")
+        return self._unknown + [f"{name}.{n}" for name in ROUTER_FIELDS
                                 if (p := getattr(self, name)) is not None for n in p.unknown]
 
 

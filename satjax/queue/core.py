@@ -66,7 +66,7 @@ from satjax.queue.validation import (
     Limits,
     Problem,
     newest_version,
-    router_record,
+    router_fields_of,
     validate,
 )
 
@@ -174,7 +174,7 @@ class Group:
     group_id: str
     size: int
     prompt_id: str
-    record: tuple[str, ...]  # the router fields its members carry (router_record)
+    record: tuple[str, ...]  # the router fields its members carry (router_fields_of)
     members: list[Entry] = dataclasses.field(default_factory=list)
     nbytes: int = 0  # members' share of a GetBatch reply (record + framing)
 
@@ -267,7 +267,7 @@ class GroupIndex:
         group = self.groups.get(msg.group_id)
         if group is None:
             group = self.groups[msg.group_id] = Group(msg.group_id, msg.group_size,
-                                                      msg.prompt_id, router_record(msg))
+                                                      msg.prompt_id, router_fields_of(msg))
         group.members.append(entry)
         group.nbytes += reply_bytes(entry.loc.length)
 
@@ -311,7 +311,7 @@ class GroupIndex:
         if msg.prompt_id != prompt:
             return Problem("prompt_id", f"prompt_id: must be {prompt!r} like the rest of group "
                                         f"{msg.group_id!r}, got {msg.prompt_id!r}")
-        mine_record = router_record(msg)
+        mine_record = router_fields_of(msg)
         if mine_record != record:
             field = next(f for f in ROUTER_FIELDS if (f in record) != (f in mine_record))
             return Problem(field, f"{field}: must be {'present' if field in record else 'absent'}"
@@ -661,7 +661,7 @@ class TrajectoryQueue:
                     continue
                 seen.add(tid)
                 mine = staged.setdefault(msg.group_id, StagedGroup(
-                    msg.group_size, msg.prompt_id, router_record(msg)))
+                    msg.group_size, msg.prompt_id, router_fields_of(msg)))
                 mine.count += 1
                 mine.nbytes += reply_bytes(len(raw))
                 to_store.append((raw, msg))

@@ -180,7 +180,7 @@ def _shape(field: str, shape, data: bytes | memoryview, dtype: np.dtype, rows: i
     return None
 
 
-def router_record(msg: TrajectoryLike) -> tuple[str, ...]:
+def router_fields_of(msg: TrajectoryLike) -> tuple[str, ...]:
     """The fields of :data:`ROUTER_FIELDS` that ``msg`` carries."""
     return tuple(f for f in ROUTER_FIELDS if msg.HasField(f))
 
@@ -322,7 +322,7 @@ def unknown_fields(msg: TrajectoryLike) -> list[str]:
     if isinstance(msg, TrajectoryView):
         return msg.unknown
     out = [str(f.field_number) for f in UnknownFieldSet(msg)]
-    for name in ("routed_experts", "routed_gates", "router_logits"):
+    for name in ROUTER_FIELDS:
         if msg.HasField(name):
             out += [f"{name}.{f.field_number}" for f in UnknownFieldSet(getattr(msg, name))]
     return out
