@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command (README "Run the tests"; .ci/run calls exactly this).
+# The project's test command (README, "Set up and run": the Tests paragraph; .ci/run calls
+# exactly this).
 # Creates .venv, installs satjax with the test extra, runs ruff, mypy and the whole pytest
 # suite on an emulated 8-device CPU mesh. Tests start the servers they use themselves
 # (queue server subprocesses in fixtures). "No tests ran" (pytest exit 5) is a failure.

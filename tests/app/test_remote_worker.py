@@ -6,7 +6,6 @@ checks that the deploy/ recipes run real satjax commands with flags that exist."
 
 import json
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from satjax.app.cli import COMMANDS
 from satjax.config import load_config
@@ -136,11 +134,6 @@ def _satjax_argvs_in_shell(path: Path) -> list[list[str]]:
     return out
 
 
-def _containers(manifest: dict) -> list[dict]:
-    return [c for rj in manifest["spec"]["replicatedJobs"]
-            for c in rj["template"]["spec"]["template"]["spec"]["containers"]]
-
-
 def _check_satjax_argv(argv: list[str], satjax_cli) -> None:
     """``satjax CMD --flag ...``: CMD is a command, every flag is in ``CMD -h`` and every
     ``--set KEY=VALUE`` names a config key."""
@@ -157,25 +150,6 @@ def _check_satjax_argv(argv: list[str], satjax_cli) -> None:
     load_config(None, [re.sub(r"=.*", "=1", s) if "$" in s else s for s in sets
                        if not s.startswith(("queue.address", "run_dir", "model.path"))]
                 + ["queue.address=h:1"])
-
-
-def test_jobset_manifest_runs_real_satjax_commands(satjax_cli):
-    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "jobset.yaml").read_text()))
-    jobset = next(d for d in docs if d and d.get("kind") == "JobSet")
-    assert jobset["apiVersion"].startswith("jobset.x-k8s.io/")
-    names = {rj["name"] for rj in jobset["spec"]["replicatedJobs"]}
-    assert names == {"queue", "trainer", "rollout"}
-    commands = {}
-    for c in _containers(jobset):
-        argv = [*c.get("command", []), *c.get("args", [])]
-        if "satjax" not in argv:  # [sh, -c, "exec satjax ..."]
-            argv = shlex.split(argv[-1])
-        argv = argv[argv.index("satjax"):]
-        commands[c["name"]] = argv[1]
-        _check_satjax_argv(argv, satjax_cli)
-        env = {e["name"] for e in c.get("env", [])}
-        assert "SATJAX_QUEUE_TOKEN" in env  # from a Secret, never on the command line
-    assert sorted(commands.values()) == ["rollout", "serve-queue", "train"]
 
 
 @pytest.mark.parametrize("script", ["slurm/train.sbatch", "tpu/launch.sh"])
