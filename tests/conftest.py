@@ -3,6 +3,8 @@
 import argparse
 import importlib
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -11,6 +13,23 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The processes the tests start (satjax commands, rollout workers) share one persistent
+# compile cache for the session: they compile the same tiny programs again and again, and
+# a 4-step `satjax train` measured 102 s -> 30 s (60 -> 19 s of CPU) with the cache warm.
+# Set after importing jax, which reads these variables when it is imported, so that this
+# process itself keeps no cache (see _no_process_wide_compile_cache).
+import jax  # noqa: E402
+
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="satjax-tests-compile-cache-")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE,
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+assert jax.config.jax_compilation_cache_dir is None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 
 class _Parsed(Exception):
