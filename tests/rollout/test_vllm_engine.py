@@ -120,8 +120,12 @@ def served(tmp_path_factory):
     pub = WeightPublisher(root / "weights", keep=10)
     sharded = _sharded(pub, canary)
     _publish(sharded, models[0], 0)
-    engine = VllmEngine(python=python, dtype="float32", max_model_len=128, log_dir=root,
-                        record_router_logits=True)
+    # max_model_len: room for prompts longer than one KV block (BLOCK), which the prefix
+    # cache can serve; --enable-prompt-tokens-details: each reply says how many of its
+    # prompt tokens came from that cache (usage.prompt_tokens_details.cached_tokens)
+    engine = VllmEngine(python=python, dtype="float32", max_model_len=384, log_dir=root,
+                        record_router_logits=True,
+                        extra_args=("--enable-prompt-tokens-details",))
     try:
         engine.load(WeightSubscriber(root / "weights").checkpoint_dir(0), 0)
         yield {"engine": engine, "models": models, "pub": pub, "sharded": sharded,
@@ -333,6 +337,91 @@ def test_partial_rollout_continues_across_an_update(served):
         moved = max(moved, float(np.max(np.abs(c.logprobs[~tok_a] - ra[0][~tok_a]))))
     assert moved > 0.1
     _report("partial rollout across an update", engine, worst)
+
+
+# vLLM-CPU's default KV block size (vllm/platforms/cpu.py), the unit its prefix cache keeps
+# and hashes: a prompt is served from it in whole blocks, and never its last token (whose
+# forward samples the first response token), so only a prompt of > BLOCK tokens can hit
+BLOCK = 128
+
+
+def _long_prompt(tok, n: int, seed: int) -> list[int]:
+    """BOS and ``n - 1`` random characters of the tokenizer's alphabet."""
+    from satjax.model.tokenizer import DEFAULT_CHARS
+
+    rng = np.random.default_rng(seed)
+    return [tok.bos_id, *tok.encode("".join(rng.choice(list(DEFAULT_CHARS), n - 1)))]
+
+
+def _generate_counting_cache(engine, monkeypatch, prompts, sampling, seed):
+    """``engine.generate`` plus, per prompt, the prompt tokens vLLM read from its prefix
+    cache (each request's ``usage.prompt_tokens_details.cached_tokens``)."""
+    from satjax.rollout.vllm_engine import request_seed
+
+    cached: dict[int, int] = {}
+    post = engine._post
+
+    def spy(path, body=None):
+        reply = post(path, body)
+        if path == "/v1/completions" and "routed_experts_prompt_start" in body:
+            cached[body["seed"]] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return reply
+
+    monkeypatch.setattr(engine, "_post", spy)
+    try:
+        comps = engine.generate(prompts, sampling, seed=seed)
+    finally:
+        monkeypatch.undo()
+    return comps, [cached[request_seed(seed, i)] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_routes_on_prefix_cache_hits_are_the_served_weights(served, monkeypatch):
+    """A group of 16 samples of one prompt longer than a KV block: samples after the first
+    read the prompt's first block from vLLM's prefix cache, and so do a later call's
+    requests (the same prompt, and another sharing only that block). The prompt rows of
+    every sample (ids exact; gates, logits within float16) are the teacher-forced ones,
+    i.e. the router record of a cached token is the one its forward computed, not zeros
+    nor another request's. After an in-place update the cache must not serve the old
+    weights' KV or rows: the same prompts are checked against the new model."""
+    engine, models, tok = served["engine"], served["models"], served["tok"]
+    sub = WeightSubscriber(served["root"] / "weights")
+    group, plen = 16, 200  # one full block of 128 cacheable
+    prompt = _long_prompt(tok, plen, seed=7)
+    other = [*prompt[:BLOCK + 8], *_long_prompt(tok, 40, seed=8)[1:]]  # shares block 0
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    worst: dict[str, float] = {}
+
+    def check(model, comps, cached, what):
+        assert all(c in (0, BLOCK) for c in cached), cached
+        refs = _teacher_forced(model, comps, 1.0)
+        for i, (c, ref) in enumerate(zip(comps, refs, strict=True)):
+            p = len(c.prompt_tokens)
+            assert c.routed_experts.shape[0] == p + len(c.response_tokens) - 1
+            np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0,
+                                       err_msg=f"{what}, sample {i} (cached {cached[i]})")
+            _check_record(c, ref, worst)
+        _report(f"prefix-cache hits, {what}", engine, worst)
+
+    base = (engine.version or 0) + 1
+    for i, (v, m) in enumerate(((base, models[0]), (base + 1, models[1]))):
+        _publish(_sharded(served["pub"], served["canary"]), m, v)  # full versions
+        engine.load(sub.checkpoint_dir(v), v)  # resets the prefix cache
+        comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt] * group,
+                                                 sampling, seed=20 + i)
+        print(f"\nv{v} group of {group}: cached prompt tokens {cached}")
+        # the first request computes the block; the others find it (same step or later)
+        assert cached.count(BLOCK) >= group - 1 and cached.count(0) <= 1, cached
+        check(m, comps, cached, f"group, model {i}")
+        # a later call: every request hits, for the same prompt and for one that shares
+        # only the first block
+        comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt, other] * 2,
+                                                 sampling, seed=30 + i)
+        assert cached == [BLOCK] * 4, cached
+        check(m, comps, cached, f"later call, model {i}")
+    # the check tells the two models apart on the cached rows themselves
+    old, new = (_teacher_forced(m, comps[:1], 1.0)[0] for m in models.values())
+    assert np.mean(old[1][:BLOCK] != new[1][:BLOCK]) > 0.3
 
 
 class _AsCompletion:
