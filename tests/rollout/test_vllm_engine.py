@@ -608,3 +608,23 @@ def test_missing_vllm_python_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="can import vllm"):
         resolve_python("/nonexistent/bin/python")
     assert len({request_seed(7, i) for i in range(64)}) == 64
+
+
+def test_a_refused_prefix_cache_reset_is_retried_then_an_error():
+    """vLLM answers a reset it refuses (blocks still held) with 200 and success false:
+    retried until it succeeds; past request_timeout_s, VllmError (never ignored)."""
+    from satjax.rollout.vllm_engine import VllmEngine, VllmError
+
+    engine = object.__new__(VllmEngine)  # no server: only _post is used
+    engine.request_timeout_s, engine.last_sync_info = 5.0, {}
+    answers = iter([{"success": False}] * 3 + [{"success": True}])
+    engine._post = lambda path, body=None: next(answers)  # type: ignore[method-assign]
+    engine._reset_prefix_cache()
+    assert engine.last_sync_info["prefix_cache_reset_tries"] == 4
+    engine._post = lambda path, body=None: None  # type: ignore[method-assign]
+    engine._reset_prefix_cache()  # an older vLLM's empty reply: nothing to retry
+    assert engine.last_sync_info["prefix_cache_reset_tries"] == 1
+    engine.request_timeout_s = 0.1
+    engine._post = lambda path, body=None: {"success": False}  # type: ignore[method-assign]
+    with pytest.raises(VllmError, match="refused to reset its prefix cache"):
+        engine._reset_prefix_cache()
