@@ -5,7 +5,8 @@ vLLM runs from its own venv (``rollout.vllm_python`` or ``SATJAX_VLLM_PYTHON``; 
 gains no dependency. The first :meth:`VllmEngine.load` starts the server on that
 checkpoint; later loads update the weights in place through our worker extension
 (:mod:`satjax.rollout.vllm_ext`, over ``/collective_rpc``), reset the prefix cache (its
-KV and routes belong to the old weights) and stamp the server's weight version.
+KV and routes belong to the old weights; retried while vLLM refuses because a request
+still holds blocks) and stamp the server's weight version.
 :meth:`VllmEngine.apply_deltas` does the same from delta versions: the extension applies
 them to its host mirror and updates only what changed. The rollout worker's canary check
 (:meth:`canary_logprobs`, vLLM ``prompt_logprobs``) then guards the update.
@@ -379,7 +380,7 @@ class VllmEngine:
             self.version = None  # until the update is through
             self.last_sync_info = self._rpc("update_weights_from_dir", str(checkpoint_dir))
             self._unmirrored = None
-            self._post("/reset_prefix_cache")  # its KV and routes are the old weights'
+            self._reset_prefix_cache()  # its KV and routes are the old weights'
         self._stamp(version, t0)
 
     def apply_deltas(self, delta_dirs: Sequence[Path], version: int) -> None:
@@ -393,8 +394,33 @@ class VllmEngine:
         self.last_sync_info = self._rpc(
             "apply_weight_deltas", [str(Path(d).resolve()) for d in delta_dirs],
             None if base is None else str(base))
-        self._post("/reset_prefix_cache")
+        self._reset_prefix_cache()
         self._stamp(version, t0)
+
+    def _reset_prefix_cache(self) -> None:
+        """Empties vLLM's prefix cache after an update: its blocks hold the old weights'
+        KV and router rows, which a later request with the same prefix would otherwise be
+        served (cached prompt tokens are not forwarded again). vLLM refuses while any
+        request holds KV blocks (HTTP 200 with ``{"success": false}``: a request still
+        running, e.g. one whose caller gave up), so the reset is retried until they end,
+        for up to ``request_timeout_s``; then :class:`VllmError`. The number of tries is
+        ``last_sync_info["prefix_cache_reset_tries"]``."""
+        deadline = time.monotonic() + self.request_timeout_s
+        delay, tries = 0.02, 0
+        while True:
+            tries += 1
+            reply = self._post("/reset_prefix_cache")
+            # an empty reply: a vLLM from before the success flag (it could not refuse)
+            if not isinstance(reply, dict) or reply.get("success", True):
+                self.last_sync_info["prefix_cache_reset_tries"] = tries
+                return
+            if time.monotonic() > deadline:
+                raise VllmError(
+                    f"vLLM refused to reset its prefix cache {tries} times over "
+                    f"{self.request_timeout_s:.0f}s (requests still hold KV blocks); the "
+                    "cache would serve the old weights' KV and routes")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
 
     def _rpc(self, method: str, *args: Any) -> dict[str, Any]:
         """Runs ``method`` of the worker extension in every vLLM worker; the first

@@ -8,6 +8,7 @@ the whole module: its startup takes 1-2 minutes on 2 cores.
 from __future__ import annotations
 
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -120,8 +121,12 @@ def served(tmp_path_factory):
     pub = WeightPublisher(root / "weights", keep=10)
     sharded = _sharded(pub, canary)
     _publish(sharded, models[0], 0)
-    engine = VllmEngine(python=python, dtype="float32", max_model_len=128, log_dir=root,
-                        record_router_logits=True)
+    # max_model_len: room for prompts longer than one KV block (BLOCK), which the prefix
+    # cache can serve; --enable-prompt-tokens-details: each reply says how many of its
+    # prompt tokens came from that cache (usage.prompt_tokens_details.cached_tokens)
+    engine = VllmEngine(python=python, dtype="float32", max_model_len=384, log_dir=root,
+                        record_router_logits=True,
+                        extra_args=("--enable-prompt-tokens-details",))
     try:
         engine.load(WeightSubscriber(root / "weights").checkpoint_dir(0), 0)
         yield {"engine": engine, "models": models, "pub": pub, "sharded": sharded,
@@ -335,6 +340,147 @@ def test_partial_rollout_continues_across_an_update(served):
     _report("partial rollout across an update", engine, worst)
 
 
+# vLLM-CPU's default KV block size (vllm/platforms/cpu.py), the unit its prefix cache keeps
+# and hashes: a prompt is served from it in whole blocks, and never its last token (whose
+# forward samples the first response token), so only a prompt of > BLOCK tokens can hit
+BLOCK = 128
+
+
+def _long_prompt(tok, n: int, seed: int) -> list[int]:
+    """BOS and ``n - 1`` random characters of the tokenizer's alphabet."""
+    from satjax.model.tokenizer import DEFAULT_CHARS
+
+    rng = np.random.default_rng(seed)
+    return [tok.bos_id, *tok.encode("".join(rng.choice(list(DEFAULT_CHARS), n - 1)))]
+
+
+def _generate_counting_cache(engine, monkeypatch, prompts, sampling, seed):
+    """``engine.generate`` plus, per prompt, the prompt tokens vLLM read from its prefix
+    cache (each request's ``usage.prompt_tokens_details.cached_tokens``)."""
+    from satjax.rollout.vllm_engine import request_seed
+
+    cached: dict[int, int] = {}
+    post = engine._post
+
+    def spy(path, body=None):
+        reply = post(path, body)
+        if path == "/v1/completions" and "routed_experts_prompt_start" in body:
+            cached[body["seed"]] = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return reply
+
+    monkeypatch.setattr(engine, "_post", spy)
+    try:
+        comps = engine.generate(prompts, sampling, seed=seed)
+    finally:
+        monkeypatch.undo()
+    return comps, [cached[request_seed(seed, i)] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_routes_on_prefix_cache_hits_are_the_served_weights(served, monkeypatch):
+    """A group of 16 samples of one prompt longer than a KV block: samples after the first
+    read the prompt's first block from vLLM's prefix cache, and so do a later call's
+    requests (the same prompt, and another sharing only that block). The prompt rows of
+    every sample (ids exact; gates, logits within float16) are the teacher-forced ones,
+    i.e. the router record of a cached token is the one its forward computed, not zeros
+    nor another request's. After an in-place update the cache must not serve the old
+    weights' KV or rows: the same prompts are checked against the new model."""
+    engine, models, tok = served["engine"], served["models"], served["tok"]
+    sub = WeightSubscriber(served["root"] / "weights")
+    group, plen = 16, 200  # one full block of 128 cacheable
+    prompt = _long_prompt(tok, plen, seed=7)
+    other = [*prompt[:BLOCK + 8], *_long_prompt(tok, 40, seed=8)[1:]]  # shares block 0
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    worst: dict[str, float] = {}
+
+    def check(model, comps, cached, what):
+        assert all(c in (0, BLOCK) for c in cached), cached
+        refs = _teacher_forced(model, comps, 1.0)
+        for i, (c, ref) in enumerate(zip(comps, refs, strict=True)):
+            p = len(c.prompt_tokens)
+            assert c.routed_experts.shape[0] == p + len(c.response_tokens) - 1
+            _check_record(c, ref, worst)  # prompt rows first: the cached ones
+            np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0,
+                                       err_msg=f"{what}, sample {i} (cached {cached[i]})")
+        _report(f"prefix-cache hits, {what}", engine, worst)
+
+    base = (engine.version or 0) + 1
+    for i, (v, m) in enumerate(((base, models[0]), (base + 1, models[1]))):
+        _publish(_sharded(served["pub"], served["canary"]), m, v)  # full versions
+        engine.load(sub.checkpoint_dir(v), v)  # resets the prefix cache
+        comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt] * group,
+                                                 sampling, seed=20 + i)
+        print(f"\nv{v} group of {group}: cached prompt tokens {cached}")
+        # after the load's reset the first request computes the block; the others find it
+        # (in the same step or later)
+        assert cached == [0] + [BLOCK] * (group - 1), cached
+        check(m, comps, cached, f"group, model {i}")
+        # a later call: every request hits, for the same prompt and for one that shares
+        # only the first block
+        comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt, other] * 2,
+                                                 sampling, seed=30 + i)
+        assert cached == [BLOCK] * 4, cached
+        check(m, comps, cached, f"later call, model {i}")
+    # the check tells the two models apart on the cached rows themselves
+    old, new = (_teacher_forced(m, comps[:1], 1.0)[0] for m in models.values())
+    assert np.mean(old[1][:BLOCK] != new[1][:BLOCK]) > 0.3
+
+
+def _requests_running(engine) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge (``/metrics``)."""
+    status, data = engine._request("GET", "/metrics", None, timeout=30)
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in data.decode().splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+@pytest.mark.slow
+def test_an_update_during_a_request_still_empties_the_prefix_cache(served, monkeypatch):
+    """vLLM refuses to reset its prefix cache while a request holds KV blocks: its
+    ``/reset_prefix_cache`` answers 200 with ``{"success": false}``. An update made while a
+    request runs (one whose caller gave up, or another client's) must still leave no block
+    of the old weights to hit: ``load`` retries the reset until it succeeds, so the next
+    group's cached prompt rows (and KV) are the new model's."""
+    import threading
+
+    from satjax.rollout.vllm_engine import completion_request
+
+    engine, models, tok = served["engine"], served["models"], served["tok"]
+    sub = WeightSubscriber(served["root"] / "weights")
+    prompt = _long_prompt(tok, 200, seed=9)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    base = (engine.version or 0) + 1
+    for v, m in ((base, models[0]), (base + 1, models[1])):
+        _publish(_sharded(served["pub"], served["canary"]), m, v)
+    engine.load(sub.checkpoint_dir(base), base)
+    engine.generate([prompt], sampling, seed=1)  # the prompt's first block, cached
+    # a long request of the same prompt: it holds that block while the update runs
+    body = completion_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=180), 3)
+    body["ignore_eos"] = True
+    replies: list = []
+    flight = threading.Thread(target=lambda: replies.append(
+        engine._post("/v1/completions", body)))
+    flight.start()
+    try:
+        deadline = time.monotonic() + 60
+        while _requests_running(engine) < 1:
+            assert flight.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        engine.load(sub.checkpoint_dir(base + 1), base + 1)
+    finally:
+        flight.join()
+    assert len(replies[0]["choices"][0]["token_ids"]) == 180
+    comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt] * 4, sampling,
+                                             seed=2)
+    worst: dict[str, float] = {}
+    for c, ref in zip(comps, _teacher_forced(models[1], comps, 1.0), strict=True):
+        _check_record(c, ref, worst)
+        np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
+    assert cached == [0] + [BLOCK] * 3, cached  # the new model's block, computed once
+    # the update did overlap the request: vLLM refused the reset at least once
+    assert engine.last_sync_info["prefix_cache_reset_tries"] > 1
+
+
 class _AsCompletion:
     def __init__(self, t):
         self.prompt_tokens, self.response_tokens = t.prompt_tokens, t.response_tokens
@@ -462,3 +608,23 @@ def test_missing_vllm_python_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="can import vllm"):
         resolve_python("/nonexistent/bin/python")
     assert len({request_seed(7, i) for i in range(64)}) == 64
+
+
+def test_a_refused_prefix_cache_reset_is_retried_then_an_error():
+    """vLLM answers a reset it refuses (blocks still held) with 200 and success false:
+    retried until it succeeds; past request_timeout_s, VllmError (never ignored)."""
+    from satjax.rollout.vllm_engine import VllmEngine, VllmError
+
+    engine = object.__new__(VllmEngine)  # no server: only _post is used
+    engine.request_timeout_s, engine.last_sync_info = 5.0, {}
+    answers = iter([{"success": False}] * 3 + [{"success": True}])
+    engine._post = lambda path, body=None: next(answers)  # type: ignore[method-assign]
+    engine._reset_prefix_cache()
+    assert engine.last_sync_info["prefix_cache_reset_tries"] == 4
+    engine._post = lambda path, body=None: None  # type: ignore[method-assign]
+    engine._reset_prefix_cache()  # an older vLLM's empty reply: nothing to retry
+    assert engine.last_sync_info["prefix_cache_reset_tries"] == 1
+    engine.request_timeout_s = 0.1
+    engine._post = lambda path, body=None: {"success": False}  # type: ignore[method-assign]
+    with pytest.raises(VllmError, match="refused to reset its prefix cache"):
+        engine._reset_prefix_cache()
