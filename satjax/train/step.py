@@ -216,7 +216,7 @@ class _TrainStep:
             assert reference is not None  # checked above
             self.reference_shardings = parallel.state_shardings(reference, mesh)
             # abstract (ShapeDtypeStructs: a step compiled without weights, as
-            # satjax.train.memory.compile_step does) it stays abstract; lower() takes it
+            # satjax.app.memory.compile_step does) it stays abstract; lower() takes it
             abstract = all(isinstance(x, jax.ShapeDtypeStruct)
                            for x in jax.tree.leaves(reference))
             self.reference = reference if abstract else jax.device_put(
