@@ -287,7 +287,6 @@ def _adam_moments(opt_state):
 def test_run_optimizer_threads_adams_decays(overrides, b1, b2):
     """train.adam_b1 / adam_b2 reach Adam: after updates with g1, g2 (under the clip)
     mu = b1 (1 - b1) g1 + (1 - b1) g2 and nu = b2 (1 - b2) g1^2 + (1 - b2) g2^2."""
-    from satjax.config import ObjectiveConfig, load_config
     from satjax.train.trainer import run_optimizer
 
     tx = run_optimizer(load_config(None, overrides))
