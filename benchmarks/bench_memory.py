@@ -75,22 +75,22 @@ def main(argv: list[str] | None = None) -> None:
                                + f" --xla_force_host_platform_device_count={args.devices}")
     os.environ["JAX_PLATFORMS"] = "cpu"
     from benchmarks.machine import print_versions
-    from satjax.config import load_config
-    from satjax.model.attention import causal_blocks
-    from satjax.train.memory import (
+    from satjax.app.memory import (
         StepMemory,
         attention_flops_per_token,
         compile_step,
         model_flops_per_token,
         residuals_per_sequence,
     )
+    from satjax.config import load_config
+    from satjax.model.attention import causal_blocks
 
     cfg = load_config(args.config, args.overrides)
     if cfg.train.mesh.size != args.devices:
         sys.exit(f"bench_memory: train.mesh uses {cfg.train.mesh.size} devices, "
                  f"--devices is {args.devices}")
     print_versions()
-    from satjax.factory import model_config
+    from satjax.app.factory import model_config
 
     mcfg = model_config(cfg, _tokenizer(cfg))
     depth = mcfg.num_hidden_layers
@@ -153,7 +153,7 @@ def _tokenizer(cfg):
     """The tiny preset is sized to its tokenizer; a written-out architecture needs none."""
     if cfg.model.preset != "tiny" or cfg.model.path:
         return None
-    from satjax.factory import build_tokenizer
+    from satjax.app.factory import build_tokenizer
 
     return build_tokenizer(cfg)
 

@@ -120,7 +120,7 @@ def step_times(blocks: int, steps: int, directory: str
     model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     graphdef, state = nnx.split(TrainState(model, make_optimizer(1e-5, max_grad_norm=1.0)))
-    step = make_train_step(graphdef, state, mesh=mesh, objective="sat_gspo")
+    step = make_train_step(graphdef, state, mesh=mesh)  # sat_gspo: the default
     state = step.place_state(state)
     batch = step.place_batch(synthetic_batch(cfg, 8, 128, 4, seed=0))
     root = Path(tempfile.mkdtemp(prefix="bench-publish-step-", dir=directory))
@@ -237,7 +237,7 @@ def delta_figures(steps: int, directory: str) -> None:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     graphdef, state = nnx.split(TrainState(model, make_optimizer(DELTA_LR, max_grad_norm=1.0)))
     del model
-    step = make_train_step(graphdef, state, mesh=mesh, objective="sat_gspo")
+    step = make_train_step(graphdef, state, mesh=mesh)  # sat_gspo: the default
     state = step.place_state(state)
     roots = {kind: Path(tempfile.mkdtemp(prefix=f"bench-publish-{kind}-", dir=directory))
              for kind in ("full", "delta")}

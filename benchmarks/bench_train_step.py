@@ -32,7 +32,7 @@ from satjax import parallel  # noqa: E402
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from satjax.train.batch import Batch  # noqa: E402
 from satjax.train.state import TrainState, make_optimizer  # noqa: E402
-from satjax.train.step import make_train_step  # noqa: E402
+from satjax.train.step import StepOptions, make_train_step  # noqa: E402
 
 
 def synthetic_batch(cfg: Qwen3MoeConfig, B: int, T: int, group_size: int, seed: int) -> Batch:
@@ -93,15 +93,9 @@ def main() -> None:
     for name, (objective, hp) in VARIANTS.items():
         model = Qwen3MoeForCausalLM(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
         graphdef, state = nnx.split(TrainState(model, make_optimizer(1e-4, max_grad_norm=1.0)))
-        step = make_train_step(
-            graphdef,
-            state,
-            mesh=mesh,
-            objective=objective,
-            objective_hp=hp,
-            replay=not args.no_replay,
-            grad_accum=args.grad_accum,
-        )
+        step = make_train_step(graphdef, state, mesh=mesh, options=StepOptions(
+            objective=objective, objective_hp=hp, replay=not args.no_replay,
+            grad_accum=args.grad_accum))
         state = step.place_state(state)
         placed = step.place_batch(batch)
         t0 = time.perf_counter()

@@ -48,11 +48,11 @@ def main() -> None:
     from flax import nnx
 
     from satjax import parallel
+    from satjax.app.factory import build_tokenizer, model_config, model_options
+    from satjax.app.memory import abstract_batch
     from satjax.config import load_config
-    from satjax.factory import build_tokenizer, model_config, model_options
     from satjax.model import Qwen3MoeForCausalLM
     from satjax.train.batch import Batch
-    from satjax.train.memory import abstract_batch
     from satjax.train.state import TrainState
     from satjax.train.trainer import run_optimizer, run_train_step
     from satjax.utils import versions_line

@@ -3,10 +3,12 @@
     python scripts/step_identity.py /path/to/old/checkout /path/to/new/checkout
 
 Runs each checkout's step (tests/train/conftest.py's tiny model, two synthetic batches
-with foreign engine routes) with its defaults, with ``grad_accum=2`` and with
-``objective="ppo_clip"``, each in its own process, and compares every array of the final
-train state and every metric (names, order, values) for exact equality. Used to show that
-new step options at their defaults leave the step as it was (docs/training.md).
+with foreign engine routes) with its defaults, with ``grad_accum=2`` (alone, with the
+entropy term, and under two mini-batches of two updates) and with ``objective="ppo_clip"``,
+each checkout in its own process, and compares every array of the final train state and
+every metric (names, order, values) for exact equality. Used to show that
+new step options at their defaults leave the step as it was (docs/training.md), and
+that a refactoring of the step changes none of its results.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests/train"]
 import jax, conftest as c
 batches = [c._synthetic_batch(i, routed=True) for i in range(2)]
 out = {}
-for kw in ({}, {"grad_accum": 2}, {"objective": "ppo_clip"}):
+for kw in ({}, {"grad_accum": 2}, {"objective": "ppo_clip"},
+           {"grad_accum": 2, "entropy_coef": 0.1},
+           {"grad_accum": 2, "updates_per_batch": 2, "mini_batches": 2}):
     state, metrics = c._run_steps(batches, **kw)
     out[str(kw)] = (jax.tree.leaves(state), metrics)
 pickle.dump(out, open(sys.argv[2], "wb"))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from satjax.app.commands import check_resources
+from satjax.app.factory import DTYPES
 from satjax.config import (
     Config,
     ConfigError,
@@ -21,7 +22,6 @@ from satjax.config import (
     max_sequence_tokens,
     train_buckets,
 )
-from satjax.factory import DTYPES
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -164,7 +164,7 @@ def test_truncated_sampling_is_refused_during_rl():
 
 
 def test_digit_string_task_config():
-    from satjax.factory import build_task
+    from satjax.app.factory import build_task
     from satjax.model.tokenizer import CharTokenizer
 
     cfg = load_config(overrides=["task.name=reverse", "task.min_digits=6", "task.max_digits=6",
@@ -261,7 +261,7 @@ def test_model_compute_options_are_config_keys():
 
 
 def test_the_papers_config_names_its_model_and_checks_the_checkpoint(tmp_path):
-    from satjax.factory import model_config
+    from satjax.app.factory import model_config
     from satjax.model import Qwen3MoeConfig
 
     paper = Path(REPO) / "configs/qwen3-30b-a3b.yaml"

@@ -89,7 +89,12 @@ def check_resources(cfg: Config) -> None:
     names exist, the mesh fits the devices, the vLLM interpreter can import vllm. Cheap:
     nothing is built or loaded. Raises ConfigError naming the key."""
     # imports jax, as load_config has
-    from satjax.factory import TOKENIZER_FILES, architecture_mismatch, model_config, tokenizer_path
+    from satjax.app.factory import (
+        TOKENIZER_FILES,
+        architecture_mismatch,
+        model_config,
+        tokenizer_path,
+    )
     from satjax.model.tokenizer import CharTokenizer
 
     def need(cond: bool, key: str, what: str, value: Any) -> None:
@@ -193,7 +198,7 @@ def _check_overrides(cfg: Config) -> None:
 def _check_dense(cfg: Config, need: Callable[[bool, str, str, Any], None]) -> None:
     """A dense model (no MoE layer: ``model.path``'s, or ``num_experts: 0`` in
     ``model.overrides``) has no routes, so the run records and replays none."""
-    from satjax.factory import model_config
+    from satjax.app.factory import model_config
     from satjax.model import Qwen3MoeConfig
 
     overrides = cfg.model.overrides
@@ -622,8 +627,8 @@ def sft(argv: list[str]) -> int:
                 + (f" for model.path {cfg.model.path!r} (a checkpoint starts RL as it is); "
                    "--set sft.mode=always fine-tunes it on the task's reference answers"
                    if cfg.model.path and cfg.sft.mode == "auto" else ""))
+    from satjax.app.factory import build_task, build_tokenizer
     from satjax.app.run import warm_start
-    from satjax.factory import build_task, build_tokenizer
 
     tok = build_tokenizer(cfg)
     try:
@@ -676,7 +681,7 @@ def evaluate(argv: list[str]) -> int:
         fail(p, f"--model: must be a Hugging Face checkpoint directory (with config.json), "
                 f"got {path!r}")
     from satjax.app.evaluate import evaluate as run_eval
-    from satjax.factory import build_task, build_tokenizer, prompt_format, sampling_params
+    from satjax.app.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.model import from_pretrained
     from satjax.rollout.builtin_engine import published_model
 
@@ -729,7 +734,7 @@ def export(argv: list[str]) -> int:
         sub.checkpoint_dir(version)
     except WeightSyncError as e:
         fail(p, f"--version: {e} (kept: the newest versions and their keyframes)")
-    from satjax.factory import build_tokenizer
+    from satjax.app.factory import build_tokenizer
     from satjax.model import save_pretrained
     from satjax.rollout.builtin_engine import published_model
 

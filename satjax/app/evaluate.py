@@ -73,7 +73,7 @@ def eval_during_training(cfg, step: int, model, task, tokenizer) -> dict[str, fl
     every = cfg.eval.every
     if every <= 0 or step % every:
         return {}
-    from satjax.factory import prompt_format, sampling_params
+    from satjax.app.factory import prompt_format, sampling_params
 
     result = evaluate(model, task, tokenizer, num_prompts=cfg.eval.num_prompts, k=cfg.eval.k,
                       sampling=sampling_params(cfg, tokenizer,

@@ -210,8 +210,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     from flax import nnx
 
     from satjax.app.evaluate import evaluate
-    from satjax.data.pipeline import prompt_dataset
-    from satjax.factory import (
+    from satjax.app.factory import (
         build_model,
         build_task,
         build_tokenizer,
@@ -219,6 +218,7 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
         sampling_params,
         worker_config,
     )
+    from satjax.data.pipeline import prompt_dataset
     from satjax.rollout.builtin_engine import BuiltinEngine
     from satjax.rollout.worker import GroupSampler
     from satjax.run_dir import RunDirs
@@ -500,8 +500,8 @@ def _warmup_score(warmup_cfg, warmup: dict[str, Any]) -> float:
     returns its avg@k on the held-out split, evaluated once and cached in
     ``<out>/warmup/score.json``."""
     from satjax.app.evaluate import evaluate
+    from satjax.app.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.app.run import warm_start
-    from satjax.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.utils import atomic_write
 
     tok = build_tokenizer(warmup_cfg)

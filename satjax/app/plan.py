@@ -8,7 +8,7 @@ accelerator needed (the TPU compiler, libtpu: ``pip install 'satjax[tpu]'``; XLA
 ``h100:N`` GPUs, hosts of 8 beyond 8: ``pip install 'satjax[gpu-plan]'``, which builds for
 the packaged target config satjax/gpu_targets/h100_sxm.txtpb or ``--target-config``'s;
 ``--platform cpu``: XLA:CPU over as many emulated devices instead): the train step
-(``satjax.train.memory.compile_step``: the config's objective, replay, remat, mesh, one
+(``satjax.app.memory.compile_step``: the config's objective, replay, remat, mesh, one
 ``--seq-len`` sequence per chip per micro-step) and the built-in sampler's prefill (the
 eval forward over ``eval.num_prompts x eval.k`` prompts) and decode loop. Nothing is
 allocated. Printed per chip: XLA's arguments, temporaries and peak against the chip's HBM;
@@ -18,7 +18,7 @@ the chip's interconnect bandwidth (TPU ICI, GPU NVLink). A step that does not fi
 recompiled with a short list of alternatives (full remat, a scanned layer stack, other
 fsdp x expert splits) until one fits, and that one is named.
 
-Model FLOPs are analytic (``satjax.train.memory.model_flops_per_token``: 6 x active
+Model FLOPs are analytic (``satjax.app.memory.model_flops_per_token``: 6 x active
 parameters + causal attention per token, plus the forwards the step adds: remat's
 recompute, the full-batch log-prob pass when ``grad_accum > 1``, the reference policy's):
 XLA's ``cost_analysis()`` counts a loop body once (the scanned layers, the micro-steps),
@@ -214,13 +214,13 @@ def _device_memory(target_config: str) -> int | None:
 def _plan(args: argparse.Namespace, cfg, chips: int) -> int:
     import jax
 
+    from satjax.app.factory import build_tokenizer, model_config
     from satjax.app.hlo import collectives
+    from satjax.app.memory import StepMemory, compile_step
     from satjax.config import max_sequence_tokens, train_buckets
-    from satjax.factory import build_tokenizer, model_config
     from satjax.model import DTYPES
     from satjax.model.attention import resolve_attention
     from satjax.parallel import GPU_TARGET_CONFIGS, gpu_target_config
-    from satjax.train.memory import StepMemory, compile_step
 
     gen = args.topology.partition(":")[0]
     chip = CHIPS[gen]
@@ -378,7 +378,7 @@ def step_flops_per_token(cfg, mcfg, seq_len: int) -> float:
     parameters + causal attention), plus a forward (a third of that) for each of remat's
     recompute ("full"; "dots" recomputes less, counted the same), the full-batch log-prob
     pass of ``grad_accum > 1`` and the reference policy's forward (``kl_coef > 0``)."""
-    from satjax.train.memory import active_params, attention_flops_per_token
+    from satjax.app.memory import active_params, attention_flops_per_token
 
     train = 6 * active_params(mcfg) + attention_flops_per_token(mcfg, seq_len)
     forwards = ((cfg.train.remat != "none") + (cfg.train.grad_accum > 1)
@@ -448,10 +448,10 @@ def _sampler(cfg, mcfg, devices, hbm: float, say) -> dict[str, Any]:
     from flax import nnx
 
     from satjax import parallel
-    from satjax.factory import model_options
+    from satjax.app.factory import model_options
+    from satjax.app.memory import StepMemory
     from satjax.model import DTYPES, Qwen3MoeForCausalLM
     from satjax.model.sampling import compile_sampler
-    from satjax.train.memory import StepMemory
 
     mesh = parallel.make_mesh(cfg.train.mesh, devices)
     dp = parallel.data_parallel_size(mesh)

@@ -39,6 +39,13 @@ from typing import Any
 from tqdm import tqdm
 
 from satjax.app.evaluate import eval_during_training
+from satjax.app.factory import (
+    build_model,
+    build_task,
+    build_tokenizer,
+    model_options,
+    prompt_format,
+)
 from satjax.app.launch import ProcessGroup, new_token
 from satjax.config import (
     Config,
@@ -49,7 +56,6 @@ from satjax.config import (
 )
 from satjax.data.pipeline import encode_prompt, prompt_dataset
 from satjax.data.prompts import PromptFormat
-from satjax.factory import build_model, build_task, build_tokenizer, model_options, prompt_format
 from satjax.model import Qwen3MoeConfig, from_pretrained, save_pretrained
 from satjax.run_dir import RunDirError, RunDirs, RunLock
 from satjax.train.metrics import MetricsLogger
@@ -334,7 +340,7 @@ def run_train(cfg: Config, *, resume: bool = False, progress: bool = True,
     (``satjax.app.multihost``), checkpoints cooperatively and takes part in publishing.
 
     Before the run directory is touched, what the user's input can get wrong is checked:
-    every data row and the reward (:func:`~satjax.factory.build_task`: a bad row used to
+    every data row and the reward (:func:`~satjax.app.factory.build_task`: a bad row used to
     leave a half-made run directory) and the queue at ``queue.address``
     (:func:`wait_for_queue`: its wait bounds the failure, not the warm-up). Then four
     phases: :func:`start_trainer` (the warm start), :func:`start_services` (queue, first

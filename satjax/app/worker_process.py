@@ -20,10 +20,10 @@ import time
 import zlib
 from pathlib import Path
 
+from satjax.app.factory import build_task, build_tokenizer, model_config, worker_config
 from satjax.config import ConfigError, load_config
 from satjax.data.pipeline import prompt_dataset
 from satjax.data.rewards import RewardError
-from satjax.factory import build_task, build_tokenizer, model_config, worker_config
 from satjax.rollout.factory import make_engine
 from satjax.rollout.worker import QueueRejectedError, RolloutWorker
 from satjax.run_dir import weights_config

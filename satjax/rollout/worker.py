@@ -91,7 +91,7 @@ _ROLLOUT = RolloutConfig()  # the defaults of the keys a WorkerConfig carries
 
 @dataclasses.dataclass
 class WorkerConfig:
-    """A worker's settings; :func:`satjax.factory.worker_config` fills them from a run's
+    """A worker's settings; :func:`satjax.app.factory.worker_config` fills them from a run's
     config (the fields named as the ``rollout.*`` keys they come from, with their defaults)."""
 
     group_size: int = _ROLLOUT.group_size

@@ -2,10 +2,11 @@
 
 from satjax.train.batch import Batch, make_batch, pick_bucket
 from satjax.train.state import TrainState, make_optimizer
-from satjax.train.step import make_train_step
+from satjax.train.step import StepOptions, make_train_step
 
 __all__ = [
     "Batch",
+    "StepOptions",
     "TrainState",
     "make_batch",
     "make_optimizer",

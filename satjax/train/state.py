@@ -27,6 +27,13 @@ class TrainState(nnx.Module):
         self.policy_version = nnx.Variable(jnp.asarray(policy_version, jnp.int32))
 
 
+def lr_schedule(t: TrainConfig) -> optax.Schedule:
+    """``train.learning_rate``, reached linearly over ``train.warmup_steps``."""
+    if t.warmup_steps > 0:
+        return optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps))
+    return optax.constant_schedule(t.learning_rate)
+
+
 def make_optimizer(
     learning_rate: float | optax.Schedule,
     *,

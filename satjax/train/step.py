@@ -8,18 +8,14 @@ whose loss or gradient global norm is not finite leaves the parameters and optim
 unchanged (``nonfinite_steps`` = 1), and so does a batch without an active token (its
 ``loss_mask`` all 0; ``empty_steps`` = 1).
 
-Gradient accumulation is *exact* for every objective, including those with batch-level
-statistics (SAT's quantile gate, group baselines). SAT's gate is taken per micro-batch as
-the authors take it (the objective gets ``microbatches=grad_accum``; ``scope="batch"``
-takes one gate over the whole batch instead), and the step computes exactly that: the loss
-depends on the parameters only through the per-token log-probs, so
+Gradient accumulation (``grad_accum`` micro-batches, :mod:`satjax.train.grad_accum`) is
+exact for every objective, including those with batch-level statistics: SAT's gate is taken
+per micro-batch as the authors take it (the objective gets ``microbatches=grad_accum``;
+``scope="batch"`` takes one gate over the whole batch instead), over the very rows each
+micro-step holds.
 
-  1. a forward-only pass over the micro-batches gives the full-batch log-probs ``lp``;
-  2. the objective's gradient ``g = dL/dlp`` is taken on the whole batch at once;
-  3. a second pass pulls ``g`` back through each micro-batch (``jax.vjp``) and sums.
-
-This costs one extra forward pass per micro-batch when ``grad_accum > 1``; with
-``grad_accum == 1`` the step is a single ``value_and_grad``.
+Every option of the step is a field of :class:`StepOptions`; :meth:`StepOptions.from_config`
+gives a run's.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from satjax import losses, objectives, parallel
-from satjax.config import ObjectiveConfig, replay_mode
+from satjax.config import Config, ObjectiveConfig, Replay, replay_mode
 from satjax.model import REMAT_POLICIES
 from satjax.model.logprobs import (
     router_gate_stats,
@@ -45,7 +41,9 @@ from satjax.model.logprobs import (
     token_logprobs,
     token_logprobs_entropy,
 )
+from satjax.train import grad_accum
 from satjax.train.batch import Batch
+from satjax.train.state import lr_schedule
 
 log = logging.getLogger(__name__)
 
@@ -112,22 +110,134 @@ def _route_metrics(router_topk: jax.Array, experts_used: jax.Array, gate_stats: 
     return out
 
 
-def _split_micro(x: jax.Array, num: int) -> jax.Array:
-    """[B, ...] -> [num, B/num, ...]; micro-batch i holds rows i, i+num, ... (strided, so
-    a batch sharded in contiguous blocks over devices stays sharded without moving data)."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // num, num, *x.shape[1:]), 0, 1)
-
-
-def _merge_micro(x: jax.Array) -> jax.Array:
-    """Inverse of ``_split_micro``."""
-    return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 # Metrics of one optimizer update that the rollout batch reports from its last update
 # rather than as the mean over its updates: how much the trust region binds at the end.
 LAST_UPDATE_METRICS = ("clip_frac_low", "clip_frac_high")
 # Counts of skipped updates, summed over the rollout batch's updates.
 SKIPPED_UPDATE_METRICS = ("nonfinite_steps", "empty_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How :func:`make_train_step` trains: every option of the step besides the mesh and
+    the reference policy's parameters, each default written here once. A run's come from
+    its config (:meth:`from_config`); a test or benchmark states what it changes:
+    ``StepOptions(grad_accum=2)``."""
+
+    objective: str = "sat_gspo"
+    """The objective's name: ``satjax.objectives.make(objective, microbatches=grad_accum,
+    **objective_hp)``."""
+
+    objective_hp: Mapping[str, Any] | None = None
+    """The objective's hyperparameters (None: its defaults). SAT objectives take their
+    statistics per micro-batch (``scope="microbatch"``, the default) or over the batch
+    (``"batch"``)."""
+
+    replay: Replay | bool = "experts"
+    """What of the batch's engine router record the forward uses
+    (``satjax.config.REPLAY_MODES``; true/false are read as "experts"/"off"): "off" the
+    trainer's own routing; "experts" (R3) the engine's experts, weighted by the trainer
+    router's gates of them; "gates" the engine's experts and gate weights, straight-through
+    so the router still gets a gradient (``satjax.model.moe.route``; needs
+    ``routed_gates``). Metrics beside ``router_mismatch*`` when the batch has gates:
+    ``router_gate_diff``, ``router_gate_diff_applied`` and, with router logits,
+    ``router_kl`` (``satjax.model.logprobs.router_gate_stats``)."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer update (rows m, m + A, ...; the batch's rows must be
+    divisible by it), accumulated exactly (:mod:`satjax.train.grad_accum`)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of the behaviour policy (> 0): the log-probs' logits are divided
+    by it."""
+
+    lr_schedule: optax.Schedule | None = None
+    """The optimizer's schedule, logged as ``learning_rate`` (None: not logged). Only read:
+    the optimizer in the train state applies its own."""
+
+    normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group's std (batches without precomputed
+    advantages)."""
+
+    donate: bool = True
+    """Donate the input state's buffers to the output state."""
+
+    remat: str = "none"
+    """What each decoder layer keeps for the backward: "none", "full" (only its input; the
+    layer is recomputed) or "dots" (also its weight-matmul outputs); the gradients are the
+    same (``satjax.model.transformer.REMAT_POLICIES``)."""
+
+    updates_per_batch: int = 1
+    """Passes over the rollout batch's mini-batches, one optimizer update per mini-batch.
+    With ``mini_batches``: the ratio is clipped against the log-probs of the policy before
+    the first update (``old_logprobs``), SAT's proxy and the IS corrections stay against the
+    behaviour's. 1, 1: one update, no ``old_logprobs``, except with
+    ``is_correction="tis"``: then ``old_logprobs`` are the detached current log-probs (the
+    policy at the step's start), so the TIS weight is ``min(pi_start / mu, C)`` and the
+    clipped ratio ``pi / pi_start`` (1 in value: the clip, SAT's contraction of it included,
+    does not bind in that single update). ``policy_version`` advances once per call whatever
+    the number of updates; the state's ``step`` counts updates."""
+
+    mini_batches: int = 1
+    """Mini-batches the rollout batch is split into (rows j, j + M, ...), one optimizer
+    update each (``updates_per_batch``)."""
+
+    kl_coef: float = 0.0
+    """Adds ``kl_coef * reference_kl(lp, ref_lp, estimator=kl_estimator, level=kl_level)``
+    (``satjax.losses.reference_kl``), ``ref_lp`` the log-probs of the reference policy
+    given to :func:`make_train_step` (copied and sharded like the policy's parameters, not
+    optimised), computed in the step. > 0 logs ``policy_loss`` (the objective's) and
+    ``kl_ref``."""
+
+    kl_estimator: str = ObjectiveConfig.kl_estimator
+    """The KL estimator per token (``satjax.losses.KL_ESTIMATORS``)."""
+
+    kl_level: str = ObjectiveConfig.kl_level
+    """"token": the estimator's mean over the valid tokens; "sequence": of each row's
+    length-normalised log-ratio, mean over the valid rows (``satjax.losses.KL_LEVELS``)."""
+
+    entropy_coef: float = 0.0
+    """Subtracts ``entropy_coef * mean(token entropy)`` over the valid tokens
+    (``satjax.model.logprobs.chunked_logprobs_entropy``). > 0 logs ``policy_loss`` and
+    ``entropy``."""
+
+    def __post_init__(self) -> None:
+        # one spelling of the replay mode from here on (a frozen dataclass sets it so)
+        object.__setattr__(self, "replay", replay_mode(self.replay))
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.updates_per_batch < 1 or self.mini_batches < 1:
+            raise ValueError(f"updates_per_batch, mini_batches: must be >= 1, got "
+                             f"{self.updates_per_batch}, {self.mini_batches}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got "
+                             f"{self.remat!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"kl_coef, entropy_coef: must be >= 0, got {self.kl_coef}, "
+                             f"{self.entropy_coef}")
+        if self.kl_estimator not in losses.KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: must be one of {losses.KL_ESTIMATORS}, got "
+                             f"{self.kl_estimator!r}")
+        if self.kl_level not in losses.KL_LEVELS:
+            raise ValueError(f"kl_level: must be one of {losses.KL_LEVELS}, got "
+                             f"{self.kl_level!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> StepOptions:
+        """A run's step options: ``objective.*``, ``train.*`` and the rollout's temperature;
+        the advantages normalised and the state donated (the defaults)."""
+        t, o = cfg.train, cfg.objective
+        return cls(
+            objective=o.name, objective_hp=o.hparams, replay=t.replay,
+            grad_accum=t.grad_accum,
+            # greedy rollouts (temperature 0) are scored at the smallest temperature the
+            # logits can be divided by
+            temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
+            remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
+            kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, kl_level=o.kl_level,
+            entropy_coef=o.entropy_coef)
 
 
 class _TrainStep:
@@ -139,84 +249,33 @@ class _TrainStep:
     (B, T) shape or batch structure traces and compiles once).
     """
 
-    def __init__(
-        self,
-        graphdef: nnx.GraphDef,
-        state: nnx.State,
-        *,
-        mesh: Mesh,
-        objective: str,
-        objective_hp: Mapping[str, Any] | None,
-        replay: bool | str,
-        grad_accum: int,
-        temperature: float,
-        lr_schedule: optax.Schedule | None,
-        normalize_adv_std: bool,
-        donate: bool,
-        remat: str,
-        updates_per_batch: int,
-        mini_batches: int,
-        kl_coef: float,
-        kl_estimator: str,
-        kl_level: str,
-        entropy_coef: float,
-        reference: nnx.State | None,
-    ) -> None:
-        # built by make_train_step only, which documents the arguments and holds the defaults
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-        if updates_per_batch < 1 or mini_batches < 1:
-            raise ValueError(f"updates_per_batch, mini_batches: must be >= 1, got "
-                             f"{updates_per_batch}, {mini_batches}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
-        if kl_coef < 0 or entropy_coef < 0:
-            raise ValueError(f"kl_coef, entropy_coef: must be >= 0, got {kl_coef}, "
-                             f"{entropy_coef}")
-        if kl_estimator not in losses.KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator: must be one of {losses.KL_ESTIMATORS}, got "
-                             f"{kl_estimator!r}")
-        if kl_level not in losses.KL_LEVELS:
-            raise ValueError(f"kl_level: must be one of {losses.KL_LEVELS}, got {kl_level!r}")
-        if kl_coef > 0 and reference is None:
+    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, *, mesh: Mesh,
+                 options: StepOptions, reference: nnx.State | None) -> None:
+        # built by make_train_step only, which documents the arguments
+        if options.kl_coef > 0 and reference is None:
             raise ValueError("reference: kl_coef > 0 needs the reference policy's parameters")
         self.graphdef = graphdef
         self.mesh = mesh
-        self.objective_name = objective
+        self.options = options
         # SAT's statistics per gradient-accumulation micro-batch (scope "microbatch"): the
-        # objective's strided groups are _split_micro's micro-batches (rows m, m + A, ...)
-        self.objective_fn = objectives.make(objective, microbatches=grad_accum,
-                                            **dict(objective_hp or {}))
+        # objective's strided groups are grad_accum.split_micro's micro-batches
+        self.objective_fn = objectives.make(options.objective, microbatches=options.grad_accum,
+                                            **dict(options.objective_hp or {}))
         # TIS weights by pi_prox / mu and so needs the proximal policy pi_prox (the
         # objective refuses a batch without it, see satjax/objectives.py)
         self.needs_proximal = objectives.hparams(
-            objective, objective_hp).is_correction == "tis"
-        self.replay = replay_mode(replay)
-        self.grad_accum = grad_accum
-        self.temperature = temperature
-        self.lr_schedule = lr_schedule
-        self.normalize_adv_std = normalize_adv_std
-        self.donate = donate
-        self.remat = remat
-        self.updates_per_batch = updates_per_batch
-        self.mini_batches = mini_batches
-        self.kl_coef = kl_coef
-        self.kl_estimator = kl_estimator
-        self.kl_level = kl_level
-        self.entropy_coef = entropy_coef
+            options.objective, options.objective_hp).is_correction == "tis"
         self.state_shardings = parallel.state_shardings(state, mesh)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # The frozen reference policy: its own copy of the parameters (the policy's are
         # donated and updated in place), sharded like the policy's, not in the optimizer.
         self.reference_shardings = None
         self.reference = None
-        if kl_coef > 0:
+        if options.kl_coef > 0:
             assert reference is not None  # checked above
             self.reference_shardings = parallel.state_shardings(reference, mesh)
             # abstract (ShapeDtypeStructs: a step compiled without weights, as
-            # satjax.train.memory.compile_step does) it stays abstract; lower() takes it
+            # satjax.app.memory.compile_step does) it stays abstract; lower() takes it
             abstract = all(isinstance(x, jax.ShapeDtypeStruct)
                            for x in jax.tree.leaves(reference))
             self.reference = reference if abstract else jax.device_put(
@@ -244,17 +303,17 @@ class _TrainStep:
         E] never leave it."""
 
         def logprobs_of(p: nnx.State, mb: Batch):
-            experts = mb.routed_experts if self.replay != "off" else None
+            experts = mb.routed_experts if self.options.replay != "off" else None
             gates = None
-            if self.replay == "gates":
+            if self.options.replay == "gates":
                 if mb.routed_experts is None or mb.routed_gates is None:
                     raise ValueError("train.replay 'gates': the batch has no routed_gates "
                                      "(rollout.record_routes must be on and the engine must "
                                      "record gate weights)")
                 gates = mb.routed_gates
             model = nnx.merge(gdm, p, rest)
-            kw: dict[str, Any] = dict(temperature=self.temperature, routed_experts=experts,
-                                      routed_gates=gates, remat=self.remat)
+            kw: dict[str, Any] = dict(temperature=self.options.temperature, routed_experts=experts,
+                                      routed_gates=gates, remat=self.options.remat)
             if entropy:
                 lp, ent, out = token_logprobs_entropy(model, mb.tokens, mb.attention_mask, **kw)
             else:
@@ -273,11 +332,11 @@ class _TrainStep:
     def _forward(self, logprobs_of, params: nnx.State, batch: Batch) -> jax.Array:
         """Detached log-probs [B, T] of ``batch`` under ``params``, ``grad_accum`` micro-
         batches at a time (the proximal policy's before the updates, the reference's)."""
-        if self.grad_accum == 1:
+        A = self.options.grad_accum
+        if A == 1:
             lp = logprobs_of(params, batch)[0]
         else:
-            micro = jax.tree.map(lambda x: _split_micro(x, self.grad_accum), batch)
-            lp = _merge_micro(jax.lax.map(lambda mb: logprobs_of(params, mb)[0], micro))
+            lp = grad_accum.micro_map(lambda mb: logprobs_of(params, mb)[0], batch, A)
         return jax.lax.stop_gradient(lp)
 
     def _grads(
@@ -294,10 +353,10 @@ class _TrainStep:
         }
         if batch.old_logprobs is not None:
             obj_batch["old_logprobs"] = batch.old_logprobs.astype(jnp.float32)
-        with_entropy = self.entropy_coef > 0
+        with_entropy = self.options.entropy_coef > 0
         logprobs_of = self._logprobs_fn(gdm, rest, with_entropy)
         ref_lp = (self._forward(logprobs_of, reference, batch)
-                  if self.kl_coef > 0 and reference is not None else None)
+                  if self.options.kl_coef > 0 and reference is not None else None)
 
         def total_loss(lp: jax.Array, ent: jax.Array | None) -> tuple[jax.Array, Metrics]:
             """The objective plus the KL and entropy terms, each logged."""
@@ -312,16 +371,17 @@ class _TrainStep:
             terms = {"policy_loss": loss}
             if ref_lp is not None:
                 kl = losses.reference_kl(lp, ref_lp, obj_batch["mask"],
-                                         estimator=self.kl_estimator, level=self.kl_level)
-                loss = loss + self.kl_coef * kl
+                                         estimator=self.options.kl_estimator,
+                                         level=self.options.kl_level)
+                loss = loss + self.options.kl_coef * kl
                 terms["kl_ref"] = kl
             if ent is not None:
                 h = losses.masked_mean(ent, obj_batch["mask"] > 0)
-                loss = loss - self.entropy_coef * h
+                loss = loss - self.options.entropy_coef * h
                 terms["entropy"] = h
             return loss, {**oaux, **jax.lax.stop_gradient(terms)}
 
-        A = self.grad_accum
+        A = self.options.grad_accum
         if A == 1:
 
             def loss_fn(p: nnx.State) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
@@ -337,29 +397,17 @@ class _TrainStep:
         B = batch.tokens.shape[0]
         if B % A:
             raise ValueError(f"batch size {B} is not divisible by grad_accum={A}")
-        micro = jax.tree.map(lambda x: _split_micro(x, A), batch)
 
-        lp_m, ent_m, topk_m, used_m, stats_m = jax.lax.map(
-            lambda mb: logprobs_of(params, mb), micro)
-        lp_full = _merge_micro(lp_m)
-        ent_full = None if ent_m is None else _merge_micro(ent_m)
-        (loss, oaux), g_out = jax.value_and_grad(
-            lambda x: total_loss(*x), has_aux=True)((lp_full, ent_full))
-        oaux = {**oaux, **staleness_metrics(lp_full, obj_batch["behavior_logprobs"],
+        def forward(p: nnx.State, mb: Batch):
+            # differentiated: the log-probs and entropies; carried: the routing record
+            lp, ent, topk, used, stats = logprobs_of(p, mb)
+            return (lp, ent), (topk, used, stats)
+
+        (loss, oaux), ((lp, _), (topk, used, stats)), grads = grad_accum.value_and_grad(
+            forward, lambda y: total_loss(*y), params, batch, A)
+        oaux = {**oaux, **staleness_metrics(lp, obj_batch["behavior_logprobs"],
                                             obj_batch["mask"])}
-        raux = _route_metrics(_merge_micro(topk_m), _merge_micro(used_m),
-                              {k: _merge_micro(v) for k, v in stats_m.items()}, batch)
-        g_micro = jax.tree.map(lambda g: _split_micro(g, A), g_out)
-
-        def pull_back(acc: nnx.State, xs: tuple[Batch, Any]) -> tuple[nnx.State, None]:
-            mb, g = xs
-            _, vjp = jax.vjp(lambda p: logprobs_of(p, mb)[:2], params)
-            (gp,) = vjp(g)
-            return jax.tree.map(jnp.add, acc, gp), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, _ = jax.lax.scan(pull_back, zeros, (micro, g_micro))
-        return grads, loss, oaux, raux
+        return grads, loss, oaux, _route_metrics(topk, used, stats, batch)
 
     def _update(self, state: nnx.State, batch: Batch, advantages: jax.Array,
                 reference: nnx.State | None) -> tuple[nnx.State, Metrics]:
@@ -390,8 +438,8 @@ class _TrainStep:
             "nonfinite_steps": (active & ~finite).astype(jnp.float32),
             "empty_steps": 1.0 - active.astype(jnp.float32),
         }
-        if self.lr_schedule is not None:
-            metrics["learning_rate"] = jnp.asarray(self.lr_schedule(opt_step), jnp.float32)
+        if self.options.lr_schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(self.options.lr_schedule(opt_step), jnp.float32)
         metrics.update({k: jnp.asarray(v, jnp.float32) for k, v in oaux.items()})
         metrics.update(raux)
         return nnx.state(ts), metrics
@@ -407,16 +455,16 @@ class _TrainStep:
         the last update's clip fractions, ``nonfinite_steps`` and ``empty_steps`` summed
         (updates skipped).
         """
-        M, U = self.mini_batches, self.updates_per_batch
+        M, U = self.options.mini_batches, self.options.updates_per_batch
         B = batch.tokens.shape[0]
-        if B % (M * self.grad_accum):
+        if B % (M * self.options.grad_accum):
             raise ValueError(f"batch size {B} is not divisible by mini_batches * grad_accum "
-                             f"= {M} * {self.grad_accum}")
+                             f"= {M} * {self.options.grad_accum}")
         model = nnx.merge(self.graphdef, state).model
         gdm, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         old_lp = self._forward(self._logprobs_fn(gdm, rest, False), params, batch)
         full = dataclasses.replace(batch, advantages=advantages, old_logprobs=old_lp)
-        minis = jax.tree.map(lambda x: _split_micro(x, M), full)
+        minis = jax.tree.map(lambda x: grad_accum.split_micro(x, M), full)
 
         def one_update(st: nnx.State, mb: Batch) -> tuple[nnx.State, Metrics]:
             assert mb.advantages is not None  # set on ``full`` above
@@ -441,8 +489,8 @@ class _TrainStep:
         log.info(
             "train step compile #%d for batch shape %s", self.num_compilations, batch.tokens.shape
         )
-        advantages = batch_advantages(batch, normalize_std=self.normalize_adv_std)
-        if self.updates_per_batch * self.mini_batches == 1:
+        advantages = batch_advantages(batch, normalize_std=self.options.normalize_adv_std)
+        if self.options.updates_per_batch * self.options.mini_batches == 1:
             state, update_metrics = self._update(state, batch, advantages, reference)
         else:
             state, update_metrics = self._updates(state, batch, advantages, reference)
@@ -478,7 +526,7 @@ class _TrainStep:
                 self._step,
                 in_shardings=(self.state_shardings, bsh, self.reference_shardings),
                 out_shardings=(self.state_shardings, self.replicated),
-                donate_argnums=(0,) if self.donate else (),
+                donate_argnums=(0,) if self.options.donate else (),
             )
             self._jitted[key] = fn
         return fn
@@ -499,21 +547,7 @@ def make_train_step(
     state: nnx.State,
     *,
     mesh: Mesh,
-    objective: str = "sat_gspo",
-    objective_hp: Mapping[str, Any] | None = None,
-    replay: bool | str = "experts",
-    grad_accum: int = 1,
-    temperature: float = 1.0,
-    lr_schedule: optax.Schedule | None = None,
-    normalize_adv_std: bool = True,
-    donate: bool = True,
-    remat: str = "none",
-    updates_per_batch: int = 1,
-    mini_batches: int = 1,
-    kl_coef: float = 0.0,
-    kl_estimator: str = ObjectiveConfig().kl_estimator,
-    kl_level: str = ObjectiveConfig().kl_level,
-    entropy_coef: float = 0.0,
+    options: StepOptions | None = None,
     reference: nnx.State | None = None,
 ) -> _TrainStep:
     """Builds the jitted train step for ``graphdef, state = nnx.split(TrainState(...))``.
@@ -524,65 +558,10 @@ def make_train_step(
         clipping is part of the state's optimizer (``make_optimizer(max_grad_norm=...)``);
         the logged ``grad_norm`` is the global norm before it.
       mesh: the device mesh (``parallel.make_mesh``).
-      objective, objective_hp: ``satjax.objectives.make(objective,
-        microbatches=grad_accum, **objective_hp)``: SAT objectives take their statistics per
-        micro-batch (``scope="microbatch"``, the default) or over the batch ("batch").
-      replay: what of the batch's engine router record the forward uses
-        (``satjax.config.REPLAY_MODES``; true/false mean "experts"/"off"): "off" the
-        trainer's own routing; "experts" (R3) the engine's experts, weighted by the
-        trainer router's gates of them; "gates" the engine's experts and gate weights,
-        straight-through so the router still gets a gradient (``satjax.model.moe.route``;
-        needs ``routed_gates``). Metrics beside ``router_mismatch*`` when the batch has
-        gates: ``router_gate_diff``, ``router_gate_diff_applied`` and, with router logits,
-        ``router_kl`` (``satjax.model.logprobs.router_gate_stats``).
-      grad_accum: number of micro-batches (rows m, m + A, ...; B must be divisible by
-        it); exact.
-      temperature: sampling temperature of the behavior policy.
-      lr_schedule: optax schedule of the optimizer, logged as ``learning_rate``.
-      normalize_adv_std: divide group-centred rewards by the group std.
-      donate: donate the input state buffers to the output.
-      remat: what each decoder layer keeps for the backward: "none", "full" (only its
-        input; the layer is recomputed) or "dots" (also its weight-matmul outputs); the
-        gradients are the same (``satjax.model.transformer.REMAT_POLICIES``).
-      updates_per_batch, mini_batches: the rollout batch is split into ``mini_batches``
-        mini-batches (rows j, j+M, ...) and the optimizer steps once per mini-batch, for
-        ``updates_per_batch`` passes; the ratio is clipped against the log-probs of the
-        policy before the first update (``old_logprobs``), SAT's proxy and the IS
-        corrections stay against the behaviour's. 1, 1: one update, no ``old_logprobs``,
-        except with ``is_correction="tis"``: then ``old_logprobs`` are the detached
-        current log-probs (the policy at the step's start), so the TIS weight is
-        ``min(pi_start / mu, C)`` and the clipped ratio ``pi / pi_start`` (1 in value: the
-        clip, SAT's contraction of it included, does not bind in that single update).
-        ``policy_version`` advances once per call whatever the number of updates; the
-        state's ``step`` counts updates.
-      kl_coef, kl_estimator, kl_level: adds ``kl_coef * reference_kl(lp, ref_lp,
-        estimator=kl_estimator, level=kl_level)`` (``satjax.losses.reference_kl``: the
-        estimator per token, mean over the valid tokens, or of each row's length-normalised
-        log-ratio, mean over the valid rows), ``ref_lp`` the log-probs of ``reference``
-        (the Param state of the frozen reference policy, same structure as the policy's;
-        copied and sharded like it, not optimised), computed in the step.
-      entropy_coef: subtracts ``entropy_coef * mean(token entropy)`` over the valid tokens
-        (``satjax.model.logprobs.chunked_logprobs_entropy``). With either coefficient
-        > 0 the metrics hold ``policy_loss`` (the objective's), ``kl_ref``, ``entropy``.
+      options: how the step trains (:class:`StepOptions`; None: its defaults).
+      reference: the Param state of the frozen reference policy (same structure as the
+        policy's), needed when ``options.kl_coef > 0``.
     """
-    return _TrainStep(
-        graphdef,
-        state,
-        mesh=mesh,
-        objective=objective,
-        objective_hp=objective_hp,
-        replay=replay,
-        grad_accum=grad_accum,
-        temperature=temperature,
-        lr_schedule=lr_schedule,
-        normalize_adv_std=normalize_adv_std,
-        donate=donate,
-        remat=remat,
-        updates_per_batch=updates_per_batch,
-        mini_batches=mini_batches,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-        kl_level=kl_level,
-        entropy_coef=entropy_coef,
-        reference=reference,
-    )
+    return _TrainStep(graphdef, state, mesh=mesh,
+                      options=StepOptions() if options is None else options,
+                      reference=reference)

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from satjax import parallel
-from satjax.config import Config, TrainConfig, train_buckets
+from satjax.config import Config, train_buckets
 from satjax.model import Qwen3MoeForCausalLM
 from satjax.run_dir import RunDirs
 from satjax.train.batch import Batch, make_batch
@@ -25,20 +25,13 @@ from satjax.train.lag_control import LagController
 from satjax.train.lag_schedule import served_version
 from satjax.train.metrics import to_scalars, trajectory_metrics
 from satjax.train.publish import ShardedPublisher
-from satjax.train.state import TrainState, make_optimizer
-from satjax.train.step import make_train_step
+from satjax.train.state import TrainState, lr_schedule, make_optimizer
+from satjax.train.step import StepOptions, make_train_step
 from satjax.weight_sync import WeightPublisher
 
 log = logging.getLogger(__name__)
 
 CANARY_TEXT = "12+34=46"
-
-
-def lr_schedule(t: TrainConfig) -> optax.Schedule:
-    """``train.learning_rate``, reached linearly over ``train.warmup_steps``."""
-    if t.warmup_steps > 0:
-        return optax.linear_schedule(0.0, t.learning_rate, max(1, t.warmup_steps))
-    return optax.constant_schedule(t.learning_rate)
 
 
 def run_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -51,19 +44,12 @@ def run_optimizer(cfg: Config) -> optax.GradientTransformation:
 def run_train_step(cfg: Config, graphdef: nnx.GraphDef, state: nnx.State, mesh: Mesh,
                    reference: nnx.State | None = None):
     """The run's jitted train step for ``nnx.split(TrainState(model, run_optimizer(cfg)))``
-    on ``mesh``, with every setting the config gives it; ``state`` may be abstract (how
-    benchmarks/bench_memory.py compiles the paper's step without its weights).
-    ``reference``: the Param state of the reference policy (needed when
+    on ``mesh``, with the config's options (:meth:`StepOptions.from_config`); ``state`` may
+    be abstract (how benchmarks/bench_memory.py compiles the paper's step without its
+    weights). ``reference``: the Param state of the reference policy (needed when
     ``objective.kl_coef > 0``)."""
-    t, o = cfg.train, cfg.objective
-    return make_train_step(
-        graphdef, state, mesh=mesh, objective=o.name,
-        objective_hp=o.hparams, replay=t.replay, grad_accum=t.grad_accum,
-        temperature=max(cfg.rollout.temperature, 1e-6), lr_schedule=lr_schedule(t),
-        remat=t.remat, updates_per_batch=t.updates_per_batch, mini_batches=t.mini_batches,
-        kl_coef=o.kl_coef, kl_estimator=o.kl_estimator, kl_level=o.kl_level,
-        entropy_coef=o.entropy_coef,
-        reference=reference)
+    return make_train_step(graphdef, state, mesh=mesh, options=StepOptions.from_config(cfg),
+                           reference=reference)
 
 
 class Trainer:

@@ -466,7 +466,7 @@ def test_resume_is_suggested_only_where_it_can_help(tmp_path):
 def test_the_runs_queue_refuses_what_its_trainer_could_not_batch():
     """``satjax train``'s queue requires the router record its workers make (experts and
     gates; logits on request) and bounds versions to the trainer's int32 ones."""
-    from satjax.factory import build_tokenizer, model_config
+    from satjax.app.factory import build_tokenizer, model_config
     from satjax.trajectory import MAX_VERSION
 
     def flags(*overrides):

@@ -28,8 +28,8 @@ CANARY = [1, 5, 9, 2]
 
 
 def tiny_model():
+    from satjax.app.factory import build_tokenizer, model_config
     from satjax.config import load_config
-    from satjax.factory import build_tokenizer, model_config
 
     cfg = load_config(None, [])
     return Qwen3MoeForCausalLM(model_config(cfg, build_tokenizer(cfg)), rngs=nnx.Rngs(0))

@@ -122,7 +122,7 @@ def test_alternatives_go_from_cheap_changes_to_other_splits():
 
 
 def test_the_first_alternative_that_fits_is_named():
-    from satjax.train.memory import StepMemory
+    from satjax.app.memory import StepMemory
 
     cfg = load_config(None, ["train.mesh={fsdp: 2, expert: 4}"])
     # GiB each alternative needs, in order; libtpu refuses the second outright
@@ -158,7 +158,7 @@ def test_a_compiler_refusal_for_memory_names_its_figures():
 
 
 def plan_model(cfg):
-    from satjax.factory import build_tokenizer, model_config
+    from satjax.app.factory import build_tokenizer, model_config
 
     return model_config(cfg, build_tokenizer(cfg))
 

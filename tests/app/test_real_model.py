@@ -175,9 +175,9 @@ def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
     from flax import nnx
 
     from satjax.app.commands import check_resources
+    from satjax.app.factory import build_model, build_task, build_tokenizer, worker_config
     from satjax.config import ConfigError, load_config
     from satjax.data.pipeline import prompt_dataset
-    from satjax.factory import build_model, build_task, build_tokenizer, worker_config
     from satjax.rollout.builtin_engine import BuiltinEngine
     from satjax.rollout.worker import GroupSampler
     from satjax.train.trainer import Trainer
@@ -215,8 +215,8 @@ def test_dense_qwen3_loads_and_trains(tmp_path, capsys):
 
 
 def test_stop_ids_come_from_tokenizer_generation_config_and_config(small, tmp_path):
+    from satjax.app.factory import build_tokenizer, stop_token_ids, worker_config
     from satjax.config import load_config
-    from satjax.factory import build_tokenizer, stop_token_ids, worker_config
 
     model = tmp_path / "model"
     shutil.copytree(small / "model", model)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from satjax.app.factory import build_tokenizer, model_config
 from satjax.config import load_config
-from satjax.factory import build_tokenizer, model_config
 from satjax.queue.client import QueueClient
 from satjax.queue.server import QueueServer
 from satjax.trajectory import Trajectory

@@ -140,14 +140,14 @@ def test_eval_file_is_scored_whole_and_split_never_repeats(tmp_path):
 
 
 def test_long_prompts_dropped_at_load_counted_once(tmp_path, caplog):
+    from satjax.app.factory import build_task
     from satjax.config import load_config
-    from satjax.factory import build_task
 
     rows = [{"question": "1+1" * n, "answer": "2"} for n in (1, 2, 10, 20)]
     path = _jsonl(tmp_path / "d.jsonl", rows)
     cfg = load_config(overrides=["task.name=jsonl", f"task.jsonl_path={path}",
                                  "task.max_prompt_tokens=10", "task.reward=exact"])
-    with caplog.at_level(logging.WARNING, logger="satjax.factory"):
+    with caplog.at_level(logging.WARNING, logger="satjax.app.factory"):
         task = build_task(cfg, CharTokenizer())
     # BOS + 3 or 6 characters fit 10 tokens; 30 and 60 do not
     assert [task.example(i, "test").prompt for i in range(task.test_size)] == ["1+1"]
@@ -158,8 +158,8 @@ def test_long_prompts_dropped_at_load_counted_once(tmp_path, caplog):
 
 
 def test_a_builtin_task_takes_a_user_reward(tmp_path, monkeypatch):
+    from satjax.app.factory import build_task
     from satjax.config import load_config
-    from satjax.factory import build_task
 
     (tmp_path / "len_reward.py").write_text("def score(response, example):\n"
                                             "    return float(len(response))\n")
@@ -172,8 +172,8 @@ def test_a_builtin_task_takes_a_user_reward(tmp_path, monkeypatch):
 
 
 def _build(tmp_path, path, *overrides):
+    from satjax.app.factory import build_task
     from satjax.config import load_config
-    from satjax.factory import build_task
 
     cfg = load_config(overrides=["task.name=jsonl", f"task.jsonl_path={path}",
                                  "task.reward=exact", f"run_dir={tmp_path / 'run'}",

@@ -148,8 +148,8 @@ def test_worker_config_defaults_are_the_rollout_keys_defaults():
     (each default is written once, in satjax.config)."""
     import dataclasses
 
+    from satjax.app.factory import worker_config
     from satjax.config import load_config
-    from satjax.factory import worker_config
 
     tok = CharTokenizer()
     made = worker_config(load_config(None), tok, seed=0, worker_id="w0")

@@ -20,7 +20,7 @@ from satjax import parallel
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from satjax.train.batch import Batch
 from satjax.train.state import TrainState
-from satjax.train.step import make_train_step
+from satjax.train.step import StepOptions, make_train_step
 
 TINY = Qwen3MoeConfig.tiny(num_hidden_layers=2, vocab_size=48)
 
@@ -91,8 +91,8 @@ def _mesh_of(shape):
 @functools.cache
 def _cached_step(shape=(1, 1, 1, 1), **kw):
     graphdef, state = nnx.split(_make_state(0))
-    return make_train_step(graphdef, state, mesh=_mesh_of(shape), lr_schedule=_lr_schedule,
-                           **kw)
+    return make_train_step(graphdef, state, mesh=_mesh_of(shape),
+                           options=StepOptions(lr_schedule=_lr_schedule, **kw))
 
 
 def _run_steps(batches, shape=(1, 1, 1, 1), **kw):
@@ -137,7 +137,7 @@ def mesh_of():
 
 @pytest.fixture(scope="session")
 def cached_step():
-    """``cached_step(shape, **make_train_step options)`` -> a session-cached train step."""
+    """``cached_step(shape, **StepOptions fields)`` -> a session-cached train step."""
     return _cached_step
 
 

@@ -48,9 +48,9 @@ def main() -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
+    from satjax.app.factory import build_model, build_tokenizer
     from satjax.app.multihost import Peers, Poll
     from satjax.config import load_config
-    from satjax.factory import build_model, build_tokenizer
     from satjax.train.trainer import Trainer
 
     d, f, e, t = (int(x) for x in mesh.split(","))

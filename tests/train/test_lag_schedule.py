@@ -63,8 +63,8 @@ def test_trainer_points_workers_at_the_broadcast_versions(tmp_path):
     """The real path: each publish sets the weight directory's TARGET, the version every
     RolloutWorker loads (``WeightSubscriber.wanted_version``), to the schedule's, and that
     version (with the target before it) is still published."""
+    from satjax.app.factory import build_model, build_tokenizer
     from satjax.config import load_config
-    from satjax.factory import build_model, build_tokenizer
     from satjax.train.trainer import Trainer
     from satjax.weight_sync import WeightSubscriber, published_versions
 

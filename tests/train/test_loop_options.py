@@ -18,7 +18,8 @@ from flax import nnx
 from satjax import losses, objectives
 from satjax.model import token_logprobs
 from satjax.model.logprobs import chunked_logprobs, chunked_logprobs_entropy
-from satjax.train.step import _split_micro, batch_advantages, make_train_step
+from satjax.train.grad_accum import split_micro
+from satjax.train.step import StepOptions, batch_advantages, make_train_step
 
 MESH = (1, 1, 1, 1)
 
@@ -27,10 +28,11 @@ def _lr(count):
     return 0.1 / (1.0 + count)
 
 
-def _step(make_state, mesh_of, **kw):
+def _step(make_state, mesh_of, reference=None, **options):
     graphdef, state = nnx.split(make_state(0))
-    return make_train_step(graphdef, state, mesh=mesh_of(MESH), lr_schedule=_lr,
-                           objective="ppo_clip", replay=False, **kw)
+    return make_train_step(graphdef, state, mesh=mesh_of(MESH), reference=reference,
+                           options=StepOptions(lr_schedule=_lr, objective="ppo_clip",
+                                               replay=False, **options))
 
 
 def _fresh(step, make_state):
@@ -121,7 +123,7 @@ def test_tis_takes_the_step_start_logprobs(make_state, mesh_of, synthetic_batch,
 
 def test_mini_batch_split_keeps_rows_strided():
     x = jnp.arange(8)
-    np.testing.assert_array_equal(_split_micro(x, 2), [[0, 2, 4, 6], [1, 3, 5, 7]])
+    np.testing.assert_array_equal(split_micro(x, 2), [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
 def _np_kl(x, estimator):

@@ -10,7 +10,7 @@ from flax import nnx
 
 from satjax.model import Qwen3MoeForCausalLM, canary_logprobs
 from satjax.train.state import TrainState
-from satjax.train.step import make_train_step
+from satjax.train.step import StepOptions, make_train_step
 
 
 def _lr(count):
@@ -25,7 +25,8 @@ def run(tiny_model, synthetic_batch, mesh_of, host):
         model = Qwen3MoeForCausalLM(tiny_model().config, rngs=nnx.Rngs(0), dtype=dtype,
                                     param_dtype=jnp.float32)
         graphdef, state = nnx.split(TrainState(model, optax.sgd(_lr, momentum=0.9)))
-        step = make_train_step(graphdef, state, mesh=mesh_of(shape), lr_schedule=_lr)
+        step = make_train_step(graphdef, state, mesh=mesh_of(shape),
+                               options=StepOptions(lr_schedule=_lr))
         state = step.place_state(state)
         p0 = host(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))
         metrics = []

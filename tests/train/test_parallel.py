@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from satjax import parallel
 from satjax.parallel import MeshConfig, logical_to_spec, make_mesh
-from satjax.train.step import make_train_step
+from satjax.train.step import StepOptions, make_train_step
 
 
 def test_mesh_config_validates_device_count():
@@ -141,7 +141,8 @@ def test_sharded_step_compiles_without_full_rematerialization(capfd, make_state,
     """Activation constraints at layer boundaries keep GSPMD from resharding whole tensors
     through a replicated copy on the full (data, fsdp, expert, tensor) = (1, 2, 2, 2) mesh."""
     graphdef, state = nnx.split(make_state(0))
-    step = make_train_step(graphdef, state, mesh=mesh_of((1, 2, 2, 2)), donate=False)
+    step = make_train_step(graphdef, state, mesh=mesh_of((1, 2, 2, 2)),
+                           options=StepOptions(donate=False))
     state = step.place_state(state)
     capfd.readouterr()
     step.lower(state, step.place_batch(synthetic_batch(0, routed=True))).compile()

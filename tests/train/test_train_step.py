@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 
 from satjax import objectives
+from satjax.config import ObjectiveConfig, load_config
 from satjax.model import token_logprobs
-from satjax.train.state import make_optimizer
-from satjax.train.step import batch_advantages, make_train_step, staleness_metrics
+from satjax.train.state import lr_schedule, make_optimizer
+from satjax.train.step import StepOptions, batch_advantages, make_train_step, staleness_metrics
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -198,7 +199,7 @@ def test_every_objective_traces_in_the_step(name, make_state, mesh_of, batches):
     # is checked against the objective applied to independently computed log-probs).
     graphdef, state = nnx.split(make_state(0))
     step = make_train_step(graphdef, state, mesh=mesh_of((1, 1, 1, 1)),
-                           objective=name)
+                           options=StepOptions(objective=name))
     lowered = step.lower(state, batches[0])
     assert "loss" in lowered.out_info[1]
     assert step.num_compilations == 1
@@ -227,11 +228,35 @@ def test_bad_arguments(make_state, mesh_of):
     graphdef, state = nnx.split(make_state(0))
     mesh = mesh_of((1, 1, 1, 1))
     with pytest.raises(ValueError, match="grad_accum"):
-        make_train_step(graphdef, state, mesh=mesh, grad_accum=0)
+        StepOptions(grad_accum=0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         make_optimizer(0.1, max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="nope"):
-        make_train_step(graphdef, state, mesh=mesh, objective="nope")
+        make_train_step(graphdef, state, mesh=mesh, options=StepOptions(objective="nope"))
+
+
+def test_step_options_from_the_config():
+    """The one place a run's config becomes the step's options."""
+    cfg = load_config(overrides=[
+        "train.grad_accum=2", "train.replay=false", "train.remat=full",
+        "train.updates_per_batch=2", "train.mini_batches=4", "train.warmup_steps=10",
+        "rollout.temperature=0", "objective.name=ppo_clip", "objective.kl_coef=0.5",
+        "objective.kl_estimator=k2", "objective.kl_level=sequence",
+        "objective.entropy_coef=0.1"])
+    o = StepOptions.from_config(cfg)
+    assert (o.objective, o.objective_hp, o.replay, o.grad_accum, o.remat) == (
+        "ppo_clip", cfg.objective.hparams, "off", 2, "full")
+    assert (o.updates_per_batch, o.mini_batches) == (2, 4)
+    assert (o.kl_coef, o.kl_estimator, o.kl_level, o.entropy_coef) == (
+        0.5, "k2", "sequence", 0.1)
+    assert o.temperature == 1e-6  # a greedy rollout's log-probs: the step needs > 0
+    assert (o.normalize_adv_std, o.donate) == (True, True)
+    assert o.lr_schedule is not None
+    for count in (0, 5, 20):
+        assert o.lr_schedule(count) == lr_schedule(cfg.train)(count)
+    # where the step and the config share a default it is the config's
+    assert (StepOptions().kl_estimator, StepOptions().kl_level) == (
+        ObjectiveConfig().kl_estimator, ObjectiveConfig().kl_level)
 
 
 def test_optimizer_clips_by_global_norm():
@@ -262,7 +287,6 @@ def _adam_moments(opt_state):
 def test_run_optimizer_threads_adams_decays(overrides, b1, b2):
     """train.adam_b1 / adam_b2 reach Adam: after updates with g1, g2 (under the clip)
     mu = b1 (1 - b1) g1 + (1 - b1) g2 and nu = b2 (1 - b2) g1^2 + (1 - b2) g2^2."""
-    from satjax.config import load_config
     from satjax.train.trainer import run_optimizer
 
     tx = run_optimizer(load_config(None, overrides))

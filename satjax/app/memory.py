@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from satjax import parallel
+from satjax.app.factory import model_options
 from satjax.config import Config
-from satjax.factory import model_options
 from satjax.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, token_logprobs
 from satjax.train.batch import Batch
 from satjax.train.state import TrainState

@@ -1,4 +1,4 @@
-"""The on-paper measurement of the train step (satjax.train.memory): abstract state, the
+"""The on-paper measurement of the train step (satjax.app.memory): abstract state, the
 trainer's own step, XLA's per-device bytes and FLOPs."""
 
 import dataclasses
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from satjax.app.factory import build_tokenizer, model_config
+from satjax.app.memory import StepMemory, active_params, compile_step, model_flops_per_token
 from satjax.config import load_config
-from satjax.factory import build_tokenizer, model_config
 from satjax.model import Qwen3MoeConfig
-from satjax.train.memory import StepMemory, active_params, compile_step, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 
