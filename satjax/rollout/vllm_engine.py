@@ -16,7 +16,7 @@ sampling distribution (``--logprobs-mode processed_logprobs``) and the router re
 every prompt and response token but the last (``--enable-return-routed-experts``,
 base64 ``.npy`` ``[P + N - 1, L, w]``): the plug-in widens vLLM's routed expert ids with
 their gate weights and, on request, the router logits
-(:mod:`satjax.rollout.router_record`). A partial rollout (``generate(..., sync=...)``)
+(:mod:`satjax.rollout.vllm_packing`). A partial rollout (``generate(..., sync=...)``)
 runs in segments and continues each sequence after a weight update by resubmitting its
 prompt and the tokens so far. See docs/vllm.md.
 """
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from satjax.rollout.engine import Completion, SamplingParams, Sync
-from satjax.rollout.router_record import RECORD_ENV, RouterLayout
+from satjax.rollout.vllm_packing import RECORD_ENV, RouterLayout
 from satjax.utils import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

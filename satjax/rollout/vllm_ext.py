@@ -3,7 +3,7 @@
 Loaded *inside* the vLLM server process (``--worker-extension-cls
 satjax.rollout.vllm_ext.WeightExt`` with the repository root on ``PYTHONPATH``), so it
 imports only torch, vLLM, :mod:`satjax.weight_sync` (numpy and zstandard) and
-:mod:`satjax.rollout.router_record` (numpy): never jax nor the rest of satjax.
+:mod:`satjax.rollout.vllm_packing` (numpy): never jax nor the rest of satjax.
 
 Each vLLM worker keeps a host mirror of the version it serves (``WeightMirror``: the
 published bytes of every tensor), filled by a full update and moved forward by delta
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from satjax.rollout.router_record import RECORD_ENV, RouterLayout, parse_record
+from satjax.rollout.vllm_packing import RECORD_ENV, RouterLayout, parse_record
 from satjax.weight_sync import WeightMirror
 
 # classic per-expert checkpoint names, as satjax.model.save_pretrained writes them
@@ -194,7 +194,7 @@ def weight_fingerprint(model: torch.nn.Module) -> float:
 def pack_record(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 router_logits: torch.Tensor, parts: tuple[str, ...]) -> torch.Tensor:
     """One layer's router output as int32 ``[n, RouterLayout.width]``
-    (:mod:`satjax.rollout.router_record`): the ids ``[n, k]``, then
+    (:mod:`satjax.rollout.vllm_packing`): the ids ``[n, k]``, then
     the float32 bit patterns of their gate weights ``[n, k]`` (as the router returned them:
     normalised, in the ids' order) and of the router logits ``[n, E]``. Float32 bits fit
     int32 exactly, so nothing is rounded on the way; the engine makes them float16."""

@@ -519,8 +519,8 @@ def test_router_record_packs_and_splits_exactly():
     engine's split: ids exact, gates and logits the float16 of the router's float32."""
     import torch
 
-    from satjax.rollout.router_record import RouterLayout, parse_record
     from satjax.rollout.vllm_ext import pack_record
+    from satjax.rollout.vllm_packing import RouterLayout, parse_record
 
     ids, gates, logits = _router_output(6, 3, 2, 8)
     for parts in (("gates",), ("gates", "logits")):
@@ -547,9 +547,9 @@ def test_router_record_packs_and_splits_exactly():
 def test_parse_choice_decodes_routes_and_rejects_bad_replies():
     import torch
 
-    from satjax.rollout.router_record import RouterLayout
     from satjax.rollout.vllm_engine import VllmError, parse_choice
     from satjax.rollout.vllm_ext import pack_record
+    from satjax.rollout.vllm_packing import RouterLayout
 
     layout = RouterLayout(2, 8)
     ids, gates, logits = _router_output(6, 4, 2, 8, seed=1)
