@@ -13,13 +13,14 @@ dotted key, e.g. ``config key 'rollout.engine': must be one of 'builtin', 'vllm'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -51,6 +52,15 @@ def replay_mode(value: bool | str) -> Replay:
         raise ValueError(f"replay: must be one of {', '.join(REPLAY_MODES)} (or true/false), "
                          f"got {value!r}")
     return typing.cast(Replay, value)
+def _need(section: Any, cond: bool, field: str, what: str) -> None:
+    """Raises ConfigError naming ``<section>.<field>`` and its value unless ``cond``: the
+    one message shape of every range rule (``section`` a config section, its ``SECTION``
+    its key)."""
+    if not cond:
+        raise ConfigError(f"config key '{section.SECTION}.{field}': must be {what}, "
+                          f"got {getattr(section, field)!r}")
+
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
@@ -89,6 +99,7 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class ModelConfig:
+    SECTION: ClassVar[str] = "model"
     preset: Literal["tiny", ""] = "tiny"  # "": the architecture is `path`'s or `overrides`
     path: str = ""  # local Hugging Face checkpoint directory (config.json + safetensors)
     # Qwen3MoeConfig fields: over the tiny preset; with preset "" the whole architecture
@@ -108,9 +119,18 @@ class ModelConfig:
     # the policy RL starts from (the warm-up, or `path`)
     ref_path: str = ""
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        _need(self, self.preset != "" or bool(self.path) or bool(self.overrides), "path",
+              "set when model.preset is '' and model.overrides does not give the "
+              "architecture")
+
+
 
 @dataclasses.dataclass
 class TaskConfig:
+    SECTION: ClassVar[str] = "task"
     name: Literal["arithmetic", "sort", "reverse", "jsonl"] = "arithmetic"
     # arithmetic: digits per operand; sort/reverse: length of the digit string
     min_digits: int = 1
@@ -145,15 +165,38 @@ class TaskConfig:
     # worker: then the run) with one line naming the example; .inf: no limit
     reward_timeout_s: float = 60.0
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        need = functools.partial(_need, self)
+        need(self.max_prompt_tokens >= 1, "max_prompt_tokens", ">= 1")
+        need(bool(self.prompt_template), "prompt_template", "'raw', 'chat' or a format string")
+        need(self.reward in ("", "math_verify", "exact") or self.reward.count(":") == 1,
+             "reward", "'', 'math_verify', 'exact' or 'module:function'")
+        need(self.name == "jsonl" or not self.eval_path, "eval_path",
+             "empty unless task.name is 'jsonl' (a built-in task makes its held-out split)")
+        need(self.min_digits >= 1, "min_digits", ">= 1")
+        need(self.max_digits >= self.min_digits, "max_digits", ">= task.min_digits")
+        need(len(self.ops) >= 1, "ops", "a non-empty list")
+        need(self.scoring == "exact" or self.name in ("sort", "reverse"), "scoring",
+             "'exact' unless task.name is 'sort' or 'reverse'")
+        need(not self.separator or self.name in ("sort", "reverse"), "separator",
+             "empty unless task.name is 'sort' or 'reverse'")
+        need(not any(c.isdigit() or c in "=\n" for c in self.separator), "separator",
+             "free of digits, '=' and newlines")
+        need(self.reward_timeout_s > 0, "reward_timeout_s", "> 0 seconds")
+
+
 
 @dataclasses.dataclass
 class RolloutConfig:
+    SECTION: ClassVar[str] = "rollout"
     engine: Literal["builtin", "vllm"] = "builtin"
     num_workers: int = 1
     group_size: int = 8
     prompts_per_step: int = 8
     temperature: float = 1.0
-    top_p: float = 1.0  # must stay 1 and top_k 0 (see _check_values: no truncated sampling)
+    top_p: float = 1.0  # must stay 1 and top_k 0 (see check: no truncated sampling)
     top_k: int = 0
     max_new_tokens: int = 4
     sample_dtype: Dtype = "bfloat16"
@@ -178,9 +221,36 @@ class RolloutConfig:
     overlong_buffer: int = 0  # the last this-many tokens before max_new_tokens ramp to it
     overlong_penalty: float = 1.0
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        need = functools.partial(_need, self)
+        need(self.group_size >= 2, "group_size", ">= 2 (the group baseline)")
+        need(self.prompts_per_step >= 1, "prompts_per_step", ">= 1")
+        need(0 <= self.queue_retry_s < math.inf, "queue_retry_s",
+             "a finite number of seconds >= 0 (0: a worker exits as soon as the queue is "
+             "unreachable)")
+        need(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
+        need(self.temperature >= 0, "temperature", ">= 0")
+        # The trainer recomputes log-probs of the temperature-scaled distribution only; a
+        # truncated sampler (top-p / top-k) samples from another distribution, so every
+        # ratio pi/mu would be off by the truncation's renormalisation, silently.
+        need(self.top_p == 1.0, "top_p",
+             "1.0 during RL (the trainer's log-probs do not apply top-p truncation)")
+        need(self.top_k == 0, "top_k",
+             "0 during RL (the trainer's log-probs do not apply top-k truncation)")
+        need(0 <= self.overlong_buffer < self.max_new_tokens, "overlong_buffer",
+             ">= 0 and < rollout.max_new_tokens")
+        need(self.overlong_penalty >= 0, "overlong_penalty", ">= 0")
+        need(self.record_routes or not self.record_router_logits, "record_router_logits",
+             "off unless rollout.record_routes is on (the logits travel with the routes "
+             "they chose)")
+
+
 
 @dataclasses.dataclass
 class QueueConfig:
+    SECTION: ClassVar[str] = "queue"
     address: str = ""  # empty: start a local queue server subprocess
     data_dir: str = ""  # empty: <run_dir>/queue
     token: str = ""  # empty: a random token for the local server
@@ -188,9 +258,16 @@ class QueueConfig:
     # how long satjax train waits for the queue (queue.address, or the server it starts)
     ready_timeout_s: float = 60.0
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        _need(self, self.ready_timeout_s > 0, "ready_timeout_s", "> 0 seconds")
+
+
 
 @dataclasses.dataclass
 class ObjectiveConfig:
+    SECTION: ClassVar[str] = "objective"
     name: str = "sat_gspo"
     # GSPO's paper radius (3e-4/4e-4) is sized for ~1000-token responses; the tiny task's
     # answers are 2-3 tokens, so its sequence ratio moves like a token ratio and needs a
@@ -205,70 +282,147 @@ class ObjectiveConfig:
     kl_level: Literal["token", "sequence"] = "token"
     entropy_coef: float = 0.0  # - entropy_coef * token entropy (token mean)
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        _need(self, self.kl_coef >= 0, "kl_coef", ">= 0")
+        _need(self, self.entropy_coef >= 0, "entropy_coef", ">= 0")
+        _check_objective(self)
+
+
 
 @dataclasses.dataclass
 class TrainConfig:
+    SECTION: ClassVar[str] = "train"
+    # -- the optimizer: Adam(W) with a linear warm-up, then a constant rate (the SAT
+    # paper's recipe: b1 0.9, b2 0.98, constant lr 1e-6)
     steps: int = 200
     learning_rate: float = 3e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
-    # Adam's moment decays (the SAT paper's recipe: b1 0.9, b2 0.98, constant lr 1e-6)
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     max_grad_norm: float = 1.0
+    # -- each rollout batch: mini_batches optimizer steps per pass, updates_per_batch
+    # passes, each optimizer step in grad_accum micro-steps, sequences padded to a bucket
+    updates_per_batch: int = 1
+    mini_batches: int = 1
     grad_accum: int = 1
+    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
+    # dynamic sampling: drop groups whose rewards are all equal, refill from the queue, and
+    # after max_fetches fetches (each asks for what is missing) train on what the batch has
+    drop_uniform_groups: bool = False
+    max_fetches: int = 8
+    # -- the step's model and devices
     remat: Remat = "none"  # per decoder layer: full keeps only its input, dots also matmuls
     # off | experts (R3) | gates: see Replay above; true/false are read as experts/off
     replay: Literal["off", "experts", "gates", True, False] = "experts"
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # -- lag: how stale the trajectories it trains on may be
     max_lag: int = 2  # the queue drops trajectories staler than this
     exact_lag: int = -1  # >= 0: workers generate with weights exactly this many versions old
     # > 0: weights broadcast every N versions, the rollout one step ahead (slime's
     # --update-weights-interval): the served lag cycles 1..N (satjax/train/lag_schedule.py)
     broadcast_every: int = 0
-    # published weights: every Nth version full, the others XOR deltas of the one before
-    keyframe_every: int = 10
-    buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded lengths
-    preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    # each rollout batch: mini_batches optimizer steps per pass, updates_per_batch passes
-    updates_per_batch: int = 1
-    mini_batches: int = 1
     # lag bounded by measured mismatch: the lag the queue admits (0..max_lag) is lowered
     # while mismatch_metric over the last mismatch_window batches exceeds the target and
     # raised while it stays under it; None: always max_lag
     mismatch_target: float | None = None
     mismatch_metric: Literal["kl_k3", "token_gate_frac"] = "kl_k3"
     mismatch_window: int = 4
-    # dynamic sampling: drop groups whose rewards are all equal, refill from the queue, and
-    # after max_fetches fetches (each asks for what is missing) train on what the batch has
-    drop_uniform_groups: bool = False
-    max_fetches: int = 8
+    # -- weights out and preemption
+    # published weights: every Nth version full, the others XOR deltas of the one before
+    keyframe_every: int = 10
+    preempt_grace_s: float = 25.0  # SIGTERM (preemption) -> checkpointed and exited within it
 
     def __post_init__(self) -> None:
         self.replay = replay_mode(self.replay)
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        need = functools.partial(_need, self)
+        need(self.steps >= 0, "steps", ">= 0")
+        need(self.learning_rate > 0, "learning_rate", "> 0")
+        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        need(self.weight_decay >= 0, "weight_decay", ">= 0")
+        need(0 <= self.adam_b1 < 1, "adam_b1", ">= 0 and < 1")
+        need(0 <= self.adam_b2 < 1, "adam_b2", ">= 0 and < 1")
+        need(self.max_grad_norm > 0, "max_grad_norm", "> 0")
+        need(self.updates_per_batch >= 1, "updates_per_batch", ">= 1")
+        need(self.mini_batches >= 1, "mini_batches", ">= 1")
+        need(self.grad_accum >= 1, "grad_accum", ">= 1")
+        buckets = self.buckets
+        need(len(buckets) >= 1 and min(buckets) >= 1 and list(buckets) == sorted(set(buckets)),
+             "buckets", "a non-empty, increasing list of positive lengths")
+        need(self.max_fetches >= 1, "max_fetches", ">= 1")
+        need(self.max_lag >= 0, "max_lag", ">= 0")
+        need(self.exact_lag < 0 or self.exact_lag <= self.max_lag, "exact_lag",
+             "<= train.max_lag (or -1 for free-running workers)")
+        need(self.broadcast_every >= 0, "broadcast_every", ">= 0 (0: off)")
+        need(self.broadcast_every == 0 or self.exact_lag < 0, "broadcast_every",
+             "0 when train.exact_lag >= 0 (one lag schedule: exact lag or broadcast interval)")
+        need(self.broadcast_every <= self.max_lag, "broadcast_every",
+             "<= train.max_lag (the lag it serves reaches broadcast_every)")
+        need(self.broadcast_every == 0 or self.mismatch_target is None, "broadcast_every",
+             "0 with train.mismatch_target (the broadcast fixes the lag)")
+        need(self.mismatch_target is None or self.mismatch_target > 0, "mismatch_target",
+             "> 0 (or null: off)")
+        need(self.mismatch_window >= 1, "mismatch_window", ">= 1")
+        need(self.keyframe_every >= 1, "keyframe_every", ">= 1 (1: every version full)")
+        need(self.preempt_grace_s > 0, "preempt_grace_s", "> 0 seconds")
+
+
 
 @dataclasses.dataclass
 class SftConfig:
+    SECTION: ClassVar[str] = "sft"
     # "auto": the tiny preset is warmed up, a model.path checkpoint is not; "always"; "never"
     mode: Literal["auto", "always", "never"] = "auto"
     steps: int = 100
     learning_rate: float = 3e-3
     batch_size: int = 64
 
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        _need(self, self.steps >= 0, "steps", ">= 0")
+        _need(self, self.batch_size >= 1, "batch_size", ">= 1")
+        _need(self, self.learning_rate > 0, "learning_rate", "> 0")
+
+
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    SECTION: ClassVar[str] = "checkpoint"
     every: int = 20
     keep: int = 3
+
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        _need(self, self.every >= 1, "every", ">= 1")
+        _need(self, self.keep >= 1, "keep", ">= 1")
+
 
 
 @dataclasses.dataclass
 class EvalConfig:
+    SECTION: ClassVar[str] = "eval"
     every: int = 0  # during training, evaluate every this many steps (0: never)
     num_prompts: int = 64  # held-out prompts (a task.eval_path file is scored whole)
     k: int = 4
     temperature: float = 1.0
+
+    def check(self) -> None:
+        """The ranges of this section's own fields (raises ConfigError); rules
+        across sections are :func:`_check_across`'s."""
+        need = functools.partial(_need, self)
+        need(self.every >= 0, "every", ">= 0 (0: no evaluation during training)")
+        need(self.num_prompts >= 1, "num_prompts", ">= 1")
+        need(self.k >= 1, "k", ">= 1")
+        need(self.temperature >= 0, "temperature", ">= 0")
+
 
 
 @dataclasses.dataclass
@@ -422,104 +576,26 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 
 def _check_values(cfg: Config) -> None:
-    """Range checks across fields (types and Literal choices were checked while loading)."""
+    """Each section's own ranges (its ``check``), then the rules across sections (types and
+    Literal choices were checked while loading)."""
+    for field in dataclasses.fields(cfg):
+        section = getattr(cfg, field.name)
+        if hasattr(section, "check"):
+            section.check()
+    _check_across(cfg)
 
-    def need(cond: bool, key: str, what: str) -> None:
-        if not cond:
-            value = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            raise ConfigError(f"config key {key!r}: must be {what}, got {value!r}")
 
-    need(cfg.rollout.group_size >= 2, "rollout.group_size", ">= 2 (the group baseline)")
-    need(cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", ">= 1")
-    need(cfg.rollout.num_workers >= (0 if cfg.queue.address else 1), "rollout.num_workers",
-         ">= 1 (0 only with queue.address set: workers started separately feed that queue)")
-    need(0 <= cfg.rollout.queue_retry_s < math.inf, "rollout.queue_retry_s",
-         "a finite number of seconds >= 0 (0: a worker exits as soon as the queue is "
-         "unreachable)")
-    need(cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1")
-    need(cfg.rollout.temperature >= 0, "rollout.temperature", ">= 0")
-    # The trainer recomputes log-probs of the temperature-scaled distribution only; a
-    # truncated sampler (top-p / top-k) samples from another distribution, so every ratio
-    # pi/mu would be off by the truncation's renormalisation, silently.
-    need(cfg.rollout.top_p == 1.0, "rollout.top_p",
-         "1.0 during RL (the trainer's log-probs do not apply top-p truncation)")
-    need(cfg.rollout.top_k == 0, "rollout.top_k",
-         "0 during RL (the trainer's log-probs do not apply top-k truncation)")
-    need(cfg.train.steps >= 0, "train.steps", ">= 0")
-    need(cfg.train.max_lag >= 0, "train.max_lag", ">= 0")
-    need(cfg.train.learning_rate > 0, "train.learning_rate", "> 0")
-    need(cfg.train.grad_accum >= 1, "train.grad_accum", ">= 1")
-    need(cfg.train.updates_per_batch >= 1, "train.updates_per_batch", ">= 1")
-    need(cfg.train.mini_batches >= 1, "train.mini_batches", ">= 1")
-    need(cfg.train.mismatch_target is None or cfg.train.mismatch_target > 0,
-         "train.mismatch_target", "> 0 (or null: off)")
-    need(cfg.train.mismatch_window >= 1, "train.mismatch_window", ">= 1")
-    need(cfg.train.max_fetches >= 1, "train.max_fetches", ">= 1")
-    need(cfg.objective.kl_coef >= 0, "objective.kl_coef", ">= 0")
-    need(cfg.objective.entropy_coef >= 0, "objective.entropy_coef", ">= 0")
-    need(cfg.train.keyframe_every >= 1, "train.keyframe_every", ">= 1 (1: every version full)")
-    need(cfg.train.exact_lag < 0 or cfg.train.exact_lag <= cfg.train.max_lag,
-         "train.exact_lag", "<= train.max_lag (or -1 for free-running workers)")
-    need(cfg.train.broadcast_every >= 0, "train.broadcast_every", ">= 0 (0: off)")
-    need(cfg.train.broadcast_every == 0 or cfg.train.exact_lag < 0, "train.broadcast_every",
-         "0 when train.exact_lag >= 0 (one lag schedule: exact lag or broadcast interval)")
-    need(cfg.train.broadcast_every <= cfg.train.max_lag, "train.broadcast_every",
-         "<= train.max_lag (the lag it serves reaches broadcast_every)")
-    need(cfg.train.broadcast_every == 0 or cfg.train.mismatch_target is None,
-         "train.broadcast_every", "0 with train.mismatch_target (the broadcast fixes the lag)")
-    need(cfg.train.broadcast_every == 0 or not cfg.rollout.partial, "train.broadcast_every",
-         "0 with rollout.partial (a broadcast waits for the rollout in flight)")
-    buckets = cfg.train.buckets
-    need(len(buckets) >= 1 and min(buckets) >= 1 and list(buckets) == sorted(set(buckets)),
-         "train.buckets", "a non-empty, increasing list of positive lengths")
-    need(cfg.train.max_grad_norm > 0, "train.max_grad_norm", "> 0")
-    need(cfg.train.warmup_steps >= 0, "train.warmup_steps", ">= 0")
-    need(cfg.train.weight_decay >= 0, "train.weight_decay", ">= 0")
-    need(0 <= cfg.train.adam_b1 < 1, "train.adam_b1", ">= 0 and < 1")
-    need(0 <= cfg.train.adam_b2 < 1, "train.adam_b2", ">= 0 and < 1")
-    need(cfg.sft.steps >= 0, "sft.steps", ">= 0")
-    need(cfg.sft.batch_size >= 1, "sft.batch_size", ">= 1")
-    need(cfg.sft.learning_rate > 0, "sft.learning_rate", "> 0")
-    need(cfg.eval.every >= 0, "eval.every", ">= 0 (0: no evaluation during training)")
-    need(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1")
-    need(bool(cfg.task.prompt_template), "task.prompt_template",
-         "'raw', 'chat' or a format string")
-    need(0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_new_tokens,
-         "rollout.overlong_buffer", ">= 0 and < rollout.max_new_tokens")
-    need(cfg.rollout.overlong_penalty >= 0, "rollout.overlong_penalty", ">= 0")
-    need(cfg.rollout.record_routes or not cfg.rollout.record_router_logits,
-         "rollout.record_router_logits", "off unless rollout.record_routes is on (the logits "
-         "travel with the routes they chose)")
-    need(cfg.train.replay != "gates" or cfg.rollout.record_routes, "train.replay",
-         "'off' or 'experts' unless rollout.record_routes is on (gate replay needs the "
-         "engine's experts and gate weights)")
-    need(cfg.task.reward in ("", "math_verify", "exact") or cfg.task.reward.count(":") == 1,
-         "task.reward", "'', 'math_verify', 'exact' or 'module:function'")
-    need(cfg.task.name == "jsonl" or not cfg.task.eval_path, "task.eval_path",
-         "empty unless task.name is 'jsonl' (a built-in task makes its held-out split)")
-    need(cfg.eval.num_prompts >= 1, "eval.num_prompts", ">= 1")
-    need(cfg.eval.k >= 1, "eval.k", ">= 1")
-    need(cfg.eval.temperature >= 0, "eval.temperature", ">= 0")
-    need(cfg.task.min_digits >= 1, "task.min_digits", ">= 1")
-    need(cfg.task.max_digits >= cfg.task.min_digits, "task.max_digits", ">= task.min_digits")
-    need(len(cfg.task.ops) >= 1, "task.ops", "a non-empty list")
-    need(cfg.task.scoring == "exact" or cfg.task.name in ("sort", "reverse"), "task.scoring",
-         "'exact' unless task.name is 'sort' or 'reverse'")
-    need(not cfg.task.separator or cfg.task.name in ("sort", "reverse"), "task.separator",
-         "empty unless task.name is 'sort' or 'reverse'")
-    need(not any(c.isdigit() or c in "=\n" for c in cfg.task.separator), "task.separator",
-         "free of digits, '=' and newlines")
-    need(cfg.model.preset != "" or bool(cfg.model.path) or bool(cfg.model.overrides),
-         "model.path", "set when model.preset is '' and model.overrides does not give the "
-         "architecture")
-    need(cfg.train.preempt_grace_s > 0, "train.preempt_grace_s", "> 0 seconds")
-    need(cfg.checkpoint.every >= 1, "checkpoint.every", ">= 1")
-    need(cfg.queue.ready_timeout_s > 0, "queue.ready_timeout_s", "> 0 seconds")
-    need(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s", "> 0 seconds")
-    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", ">= 1")
-    _check_objective(cfg.objective)
+def _check_across(cfg: Config) -> None:
+    """The rules that tie one section's value to another's."""
+    _need(cfg.rollout, cfg.rollout.num_workers >= (0 if cfg.queue.address else 1),
+          "num_workers",
+          ">= 1 (0 only with queue.address set: workers started separately feed that queue)")
+    _need(cfg.train, cfg.train.broadcast_every == 0 or not cfg.rollout.partial,
+          "broadcast_every", "0 with rollout.partial (a broadcast waits for the rollout in "
+          "flight)")
+    _need(cfg.train, cfg.train.replay != "gates" or cfg.rollout.record_routes, "replay",
+          "'off' or 'experts' unless rollout.record_routes is on (gate replay needs the "
+          "engine's experts and gate weights)")
 
 
 def _check_objective(obj: ObjectiveConfig) -> None:

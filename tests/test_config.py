@@ -350,3 +350,25 @@ def test_router_record_options_need_what_they_use():
                                      "rollout.partial=true", f"rollout.engine={engine}"])
         assert (cfg.train.replay, cfg.rollout.record_router_logits, cfg.rollout.partial) == \
             ("gates", True, True)
+
+
+def test_each_section_checks_its_own_ranges_and_only_cross_rules_stay_global():
+    """A section's rules run on the section alone (a RolloutConfig needs no Config), name
+    the full key, and every section of the schema has them; a rule across sections (gate
+    replay needs recorded routes) is refused only where both sections meet."""
+    from satjax import config as C
+
+    with pytest.raises(C.ConfigError, match=r"'rollout\.group_size': must be >= 2"):
+        C.RolloutConfig(group_size=1).check()
+    with pytest.raises(C.ConfigError, match=r"'train\.exact_lag': must be <= train\.max_lag"):
+        C.TrainConfig(max_lag=1, exact_lag=2).check()
+    sections = [f.name for f in dataclasses.fields(C.Config) if f.name not in ("run_dir",
+                                                                                "seed")]
+    for name in sections:
+        section = getattr(C.Config(), name)
+        assert section.SECTION == name
+        section.check()  # the defaults pass
+    C.TrainConfig(replay="gates").check()
+    C.RolloutConfig(record_routes=False).check()
+    with pytest.raises(C.ConfigError, match=r"'train\.replay'"):
+        C.load_config(None, ["train.replay=gates", "rollout.record_routes=false"])
