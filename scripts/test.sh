@@ -29,7 +29,7 @@ else
 fi
 export XLA_FLAGS="--xla_force_host_platform_device_count=8" JAX_PLATFORMS=cpu
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${LANE[@]}" tests "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "${LANE[@]}" tests "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
