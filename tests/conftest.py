@@ -18,10 +18,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compile cache for the session: they compile the same tiny programs again and again, and
 # a 4-step `satjax train` measured 102 s -> 30 s (60 -> 19 s of CPU) with the cache warm.
 # Set after importing jax, which reads these variables when it is imported, so that this
-# process itself keeps no cache (see _no_process_wide_compile_cache).
+# process itself keeps no cache (see _no_process_wide_compile_cache). A pytest-xdist
+# worker inherits the variable from the controller: it takes the controller's directory
+# (one cache for all workers) and unsets it until jax is imported.
+_INHERITED_CACHE = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 import jax  # noqa: E402
 
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="satjax-tests-compile-cache-")
+_COMPILE_CACHE = _INHERITED_CACHE or tempfile.mkdtemp(prefix="satjax-tests-compile-cache-")
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_COMPILE_CACHE,
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
@@ -29,7 +32,8 @@ assert jax.config.jax_compilation_cache_dir is None
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+    if _INHERITED_CACHE is None:  # the process that made it removes it
+        shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 
 class _Parsed(Exception):
