@@ -17,15 +17,20 @@ k is sampled by version ``N * ((k - 1) // N)``, so its lag cycles 1..N
 (``satjax/train/lag_schedule.py``). Its runs are named ``<variant>-bcast<N>-seed<s>``, beside
 the exact-lag runs (``<variant>-lag<L>-seed<s>``) in the same ``--out``.
 
-Outputs under ``--out``: ``runs/<name>/logs/metrics.jsonl`` and ``result.json`` per run
-(a finished run whose full config is unchanged is skipped on re-run, so an interrupted
-sweep loses nothing; a changed setting re-runs it),
-``results.csv``, ``results.md`` and PNG plots (``sweep_report`` defines their statistics),
-``sweep.json`` (the sweep's settings, the warm-up's score, the versions), ``jax_cache/``
-(JAX's persistent compilation cache, shared by the runs: they compile the same programs,
-so only a variant's first run pays for compiling them). ``--selection``
+Outputs under ``--out``: ``runs/<name>/result.json`` and ``logs/metrics.jsonl`` per run,
+the metrics gzipped when the run finishes (``logs/metrics.jsonl.gz``, floats to 4
+significant digits: these two small files are all a finished run keeps, so a sweep's
+finished runs can be committed and resumed from another checkout); a finished run whose
+full config is unchanged is skipped on re-run, so an interrupted sweep loses nothing and a
+changed setting re-runs it; ``sessions.jsonl`` (each invocation's share: wall and process
+seconds, runs, jobs, CPUs, commit), ``results.csv``, ``results.md`` and PNG plots
+(``sweep_report`` defines their statistics), ``sweep.json`` (the sweep's settings, the
+warm-up's score, the versions), ``jax_cache/`` (JAX's persistent compilation cache, shared
+by the runs: they compile the same programs, so only a variant's first run pays for
+compiling them). ``--selection``
 runs GSPO alone at the smallest and largest lag, and SAT-GSPO at the largest for a
-mechanism check that reads no score (its newly clipped share), and writes
+mechanism check that reads no score (its gate rate, mean factor on gated units and newly
+clipped share), and writes
 ``selection.md``: the phase that picks the test bed's settings before any other
 objective's score is seen.
 """
@@ -48,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from satjax.app.sweep_spec import RunSpec
+from satjax.app.sweep_spec import RunSpec, archive_metrics
 from satjax.utils import die_with_parent, versions_line
 
 # The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
@@ -103,6 +108,9 @@ SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective's scor
 # the largest lag (sweep_report.MECHANISM_MIN_NEWLY_CLIPPED)
 MECHANISM_VARIANT = "sat_gspo"
 SWEEP_FILE = "sweep.json"
+# one line per invocation that ran runs: its share of the sweep's compute (a sweep may be
+# spread over sessions; each one's share is read from here)
+SESSIONS_FILE = "sessions.jsonl"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
 
 
@@ -286,9 +294,48 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
         "final_avg_at_k": curve[-1][1], "k": cfg.eval.k, "curve": curve,
         "rewards": rewards, "seconds": time.time() - t0, "key": key,
     }
+    archive_metrics(spec, out)  # the per-step metrics, compressed: a run's files to commit
     # written last and atomically: its presence (with this key) is what marks the run done
     atomic_write(spec.result_path(out), json.dumps(result))
     return result
+
+
+class Session:
+    """This invocation's share of a sweep's compute: its line in ``<out>/sessions.jsonl``
+    (start, wall seconds, runs finished and their process seconds, parallel jobs, CPUs, the
+    code's commit), rewritten after each finished run, so that an invocation cut off keeps
+    the share of the runs it finished. The report sums the lines (:mod:`sweep_report`)."""
+
+    def __init__(self, path: Path, argv: list[str], jobs: int):
+        self.path, self.t0 = path, time.time()
+        self.others = path.read_text().splitlines() if path.exists() else []
+        self.line: dict[str, Any] = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
+            "wall_s": 0.0, "runs": 0, "run_seconds": 0.0, "jobs": jobs,
+            "cpus": os.cpu_count(), "commit": _commit(), "argv": argv}
+
+    def finished(self, run_seconds: float) -> None:
+        from satjax.utils import atomic_write
+
+        self.line["runs"] += 1
+        self.line["run_seconds"] = round(self.line["run_seconds"] + run_seconds, 1)
+        self.line["wall_s"] = round(time.time() - self.t0, 1)
+        atomic_write(self.path, "".join(f"{x}\n" for x in [*self.others,
+                                                            json.dumps(self.line)]))
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes), None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _next_version(engine, history: collections.deque, lag: int):
@@ -469,6 +516,7 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
     # multiprocessing's resource tracker, a process started with these -W options: it
     # removes them, and its warning that it did is not for the user
     sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    session = Session(out / SESSIONS_FILE, argv, args.jobs)
     with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                 initializer=_pool_worker) as pool:
         futures = {pool.submit(run_one, s, configs[s], str(out), args.eval_every, keys[s],
@@ -477,6 +525,7 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
         for fut in tqdm(cf.as_completed(futures), total=len(futures), desc="lag sweep"):
             spec = futures[fut]
             res = fut.result()
+            session.finished(res["seconds"])
             # the selection's mechanism runs are read for SAT's statistics, never a score
             score = ("score not shown (mechanism check)"
                      if args.selection and spec.variant == MECHANISM_VARIANT

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from satjax.app.sweep_spec import RunSpec
-from satjax.run_dir import RunDirs
 from satjax.utils import atomic_write
 
 SMOOTH_WINDOW = 10  # steps: a batch of 8 prompts gives a very noisy per-step reward
@@ -34,15 +33,22 @@ BOOTSTRAP_RESAMPLES = 10_000
 MECHANISM_MIN_NEWLY_CLIPPED = 0.02
 CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
                "reward_peak", "reward_final", "collapsed")
-# SAT's own per-step statistics, tabulated per lag for every objective that logs them
-SAT_STATISTICS = ("sat_tail_frac", "sat_newly_clipped_frac", "sat_mean_lo_radius",
-                  "sat_mean_hi_radius")
+# SAT's own per-step statistics, tabulated per lag for every objective that logs them: the
+# gate q, the realised gate rate, the mean factor min(c+, c-) on gated units (a derived
+# metric, DERIVED), the newly clipped share and the mean contracted radii
+SAT_STATISTICS = ("sat_q", "sat_tail_frac", "sat_gated_factor", "sat_newly_clipped_frac",
+                  "sat_mean_lo_radius", "sat_mean_hi_radius")
+# Metrics computed from a step's logged ones. On a gated unit one of c+ and c- is the factor
+# and the other is 1 (d has one sign), so the mean factor over gated units is
+# mean c+ + mean c- - 1.
+DERIVED = {"sat_gated_factor": lambda m: m["sat_c_plus_mean"] + m["sat_c_minus_mean"] - 1.0}
 # per-step metrics the diagnostics table averages (over a run's steps, then over seeds)
 DIAGNOSTICS = (("lag_mean", "served lag"), ("router_mismatch", "router flips"),
                ("router_mismatch_applied", "applied flips"),
-               ("sat_tail_frac", "SAT tail"), ("sat_newly_clipped_frac", "SAT newly clipped"),
+               ("sat_tail_frac", "SAT gate rate"), ("sat_newly_clipped_frac", "SAT newly clipped"),
                ("clip_frac_low", "clipped low"), ("clip_frac_high", "clipped high"),
-               ("token_extreme_frac", "F(log 2)"), ("kl_k3", "k3 KL"))
+               ("token_extreme_frac", "F(log 2)"), ("mismatch_abs_mean", "d-bar"),
+               ("kl_k3", "k3 KL"))
 
 
 def t_quantile_975(df: int) -> float:
@@ -95,12 +101,6 @@ def collapse_stats(rewards: list[float]) -> dict[str, Any]:
             "collapsed": bool(peak > 0 and final < COLLAPSE_FRACTION * peak)}
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _fmt_ci(m: float, h: float) -> str:
     return f"{m:.3f}" if np.isnan(h) else f"{m:.3f} ± {h:.3f}"
 
@@ -144,7 +144,7 @@ def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[i
     metrics = run_metrics(results, out)  # read once: the diagnostics table and the plots
     atomic_write(out / "results.md", results_markdown(results, lags, warmup_avg_at_k) + "\n"
                  + diagnostics_markdown(results, metrics, lags) + "\n"
-                 + sat_markdown(results, metrics, lags))
+                 + sat_markdown(results, metrics, lags) + "\n" + sessions_markdown(out))
     _plots(results, metrics, out, lags, list(dict.fromkeys(r["variant"] for r in results)))
 
 
@@ -241,17 +241,19 @@ def sat_markdown(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[
     sat = [v for v in dict.fromkeys(r["variant"] for r in results)
            if any(np.mean(cell[(v, lag)]["sat_tail_frac"] or [0.0]) > 0 for lag in lags)]
     text = ["SAT's own statistics, each per-step value averaged over a run's steps, then over "
-            "the seeds (tail: the share of units, tokens or sequences by the proxy, whose "
-            "interval SAT narrows; newly clipped: the share of tokens clipped by SAT's interval "
-            "but not by the base one; radii: the mean 1 - lo and hi - 1):", "",
-            "| objective | lag | tail | newly clipped | mean low radius | mean high radius |",
-            "|---|---|---|---|---|---|"]
+            "the seeds (q: the gate; gate rate: the share of SAT's units, tokens or sequences "
+            "by the proxy, past the gate; factor: the mean min(c+, c-) on gated units; newly "
+            "clipped: the share of tokens clipped by SAT's interval but not by the base one; "
+            "radii: the mean 1 - lo and hi - 1):", "",
+            "| objective | lag | q | gate rate | factor on gated | newly clipped "
+            "| mean low radius | mean high radius |",
+            "|---|---|---|---|---|---|---|---|"]
     for v in sat:
         for lag in lags:
             c = cell[(v, lag)]
             text.append(f"| {v} | {lag} | " + " | ".join(
-                (f"{np.mean(c[n]):.2e}" if "radius" in n else f"{np.mean(c[n]):.2%}")
-                if c[n] else "—" for n in SAT_STATISTICS) + " |")
+                _fmt_statistic(n, float(np.mean(c[n]))) if c[n] else "—"
+                for n in SAT_STATISTICS) + " |")
     return "\n".join(text) + "\n"
 
 
@@ -329,23 +331,72 @@ def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *
     if mech is not None:
         text += (f"Mechanism ({mech['variant']}, lag {mech['lag']}, n={mech['n']}, no score "
                  f"read): newly clipped {mech['sat_newly_clipped_frac']:.2%} of tokens, tail "
-                 f"{mech['sat_tail_frac']:.2%}, mean radii low {mech['sat_mean_lo_radius']:.2e}"
+                 f"{mech['sat_tail_frac']:.2%} (the gate rate; q {mech['sat_q']:.2e}), mean "
+                 f"factor on gated units {mech['sat_gated_factor']:.3f}, mean radii low "
+                 f"{mech['sat_mean_lo_radius']:.2e}"
                  f" high {mech['sat_mean_hi_radius']:.2e}; newly clipped >= "
                  f"{MECHANISM_MIN_NEWLY_CLIPPED:.0%}: {yes(mech['acts'])}.\n")
         s = {**s, "mechanism": mech}
     atomic_write(Path(out) / "selection.json", json.dumps(s, indent=1))
     report = results_markdown(results, sorted({s["lag_lo"], s["lag_hi"]}), warmup_avg_at_k)
-    atomic_write(Path(out) / "selection.md", text + "\n" + report)
+    atomic_write(Path(out) / "selection.md", text + "\n" + report + "\n"
+                 + sessions_markdown(Path(out)))
     return text
+
+
+def sessions_markdown(out: Path, sessions_file: str = "sessions.jsonl") -> str:
+    """The compute each invocation of the sweep in ``out`` spent (its ``sessions.jsonl``, one
+    line per invocation, written by ``satjax lag-sweep``), and the total.
+
+    >>> import tempfile, json
+    >>> out = Path(tempfile.mkdtemp())
+    >>> line = {"started": "2026-12-07T03:00:00Z", "wall_s": 3600.0, "runs": 10,
+    ...         "run_seconds": 7000.0, "jobs": 2, "cpus": 2, "commit": "abc1234"}
+    >>> _ = (out / "sessions.jsonl").write_text(json.dumps(line) + "\\n")
+    >>> print(sessions_markdown(out).splitlines()[-1])
+    | total | | 10 | 1.00 h | 1.94 h | |
+    """
+    path = out / sessions_file
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.exists() else []
+    text = ["Compute, per invocation of the sweep (wall: from its start to its last finished "
+            "run; process: the runs' own seconds, several at a time):", "",
+            "| started (UTC) | commit | runs | wall | process | jobs / CPUs |",
+            "|---|---|---|---|---|---|"]
+    for s in lines:
+        text.append(f"| {s['started']} | {s.get('commit') or '—'} | {s['runs']} | "
+                    f"{s['wall_s'] / 3600:.2f} h | {s['run_seconds'] / 3600:.2f} h | "
+                    f"{s['jobs']} / {s['cpus']} |")
+    text.append(f"| total | | {sum(s['runs'] for s in lines)} | "
+                f"{sum(s['wall_s'] for s in lines) / 3600:.2f} h | "
+                f"{sum(s['run_seconds'] for s in lines) / 3600:.2f} h | |")
+    return "\n".join(text) + "\n"
+
+
+def _fmt_statistic(name: str, value: float) -> str:
+    if "radius" in name or name == "sat_q":
+        return f"{value:.2e}"
+    return f"{value:.3f}" if name == "sat_gated_factor" else f"{value:.2%}"
 
 
 RunKey = tuple[str, int, int]  # (variant, lag, seed)
 
 
 def run_metrics(results: list[dict[str, Any]], out: Path) -> dict[RunKey, list[dict[str, Any]]]:
-    """Each run's per-step metrics rows (``logs/metrics.jsonl`` in its run directory)."""
-    return {(r["variant"], r["lag"], r["seed"]):
-            _read_metrics(RunDirs(RunSpec.of(r).run_dir(out)).metrics) for r in results}
+    """Each run's per-step metrics rows (:meth:`RunSpec.read_metrics`)."""
+    return {(r["variant"], r["lag"], r["seed"]): RunSpec.of(r).read_metrics(out)
+            for r in results}
+
+
+def _value(row: dict[str, Any], name: str) -> float | None:
+    """A step's metric ``name`` (logged, or :data:`DERIVED` from logged ones), None if absent."""
+    if name in DERIVED:
+        try:
+            return float(DERIVED[name](row))
+        except (KeyError, TypeError):
+            return None
+    value = row.get(name)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def run_means(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, Any]]],
@@ -356,7 +407,7 @@ def run_means(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str
     for r in results:
         rows = metrics[(r["variant"], r["lag"], r["seed"])]
         for name in names:
-            xs = [m[name] for m in rows if isinstance(m.get(name), int | float)]
+            xs = [x for x in (_value(m, name) for m in rows) if x is not None]
             if xs:
                 cell[(r["variant"], r["lag"])][name].append(float(np.mean(xs)))
     return cell
@@ -454,7 +505,7 @@ def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, A
     fig.savefig(out / "reward_vs_step.png", dpi=120)
     plt.close(fig)
 
-    # 3. SAT tail / newly clipped fractions and router flips vs lag (run means, 95% CI)
+    # 3. SAT gate rate / newly clipped fractions and router flips vs lag (run means, 95% CI)
     def per_lag(v, name):
         return [mean_ci([float(np.mean(series(k, name)[1])) for k in keys_of(v, lag)
                          if series(k, name)[1].size]) for lag in lags]
@@ -472,7 +523,7 @@ def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, A
         bars = errorbar(axes[2], v, "router_mismatch", label=v)
         errorbar(axes[2], v, "router_mismatch_applied", ls="--", color=bars[0].get_color(),
                  lw=0.8, label=None)
-    lag_axis(axes[0], "SAT tail fraction")
+    lag_axis(axes[0], "SAT gate rate (units past the gate)")
     lag_axis(axes[1], "clipped by SAT, not by the base clip")
     lag_axis(axes[2], "expert-set flips (solid: engine vs router;\n"
                       "dashed: applied, 0 under replay)")
@@ -482,7 +533,7 @@ def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, A
     plt.close(fig)
 
     # 4. per-step staleness diagnostics at the smallest and the largest lag
-    names = (("token_gate_frac", "tokens past the SAT gate"),
+    names = (("mismatch_abs_mean", "d-bar: mean |log pi - log mu|"),
              ("token_extreme_frac", "F(log 2): tokens with |d| > log 2"),
              ("kl_k3", "k3 KL(behaviour || current)"), ("grad_norm", "gradient norm"))
     edge = sorted({min(lags), max(lags)})

@@ -4,9 +4,14 @@ writes them) and :mod:`satjax.app.sweep_report` (which reads them) share."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
+
+from satjax.run_dir import METRICS_FILE
+from satjax.utils import atomic_write
 
 LagMode = Literal["exact", "broadcast"]
 # a run's name: <variant>-<prefix><lag>-seed<seed>
@@ -40,3 +45,51 @@ class RunSpec:
 
     def result_path(self, out: str | os.PathLike[str]) -> Path:
         return self.run_dir(out) / "result.json"
+
+    def metrics_archive(self, out: str | os.PathLike[str]) -> Path:
+        """A finished run's per-step metrics, compressed (:func:`archive_metrics`)."""
+        return self.run_dir(out) / "logs" / METRICS_ARCHIVE
+
+    def read_metrics(self, out: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """This run's per-step metrics rows: the archive of a finished run, else the
+        ``metrics.jsonl`` its logger writes (empty when neither exists)."""
+        archive = self.metrics_archive(out)
+        if archive.exists():
+            text = gzip.decompress(archive.read_bytes()).decode()
+        else:
+            plain = self.run_dir(out) / "logs" / METRICS_FILE
+            text = plain.read_text() if plain.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# A finished run keeps its per-step metrics gzipped with floats at this many significant
+# digits (about 12x smaller: a 200-step run's 290 KB become 24 KB), so a sweep's finished runs
+# can be committed and a later session resumes it from a fresh checkout.
+METRICS_ARCHIVE = "metrics.jsonl.gz"
+ARCHIVE_DIGITS = 4
+
+
+def archive_metrics(spec: RunSpec, out: str | os.PathLike[str]) -> None:
+    """Replaces a finished run's ``logs/metrics.jsonl`` by ``logs/metrics.jsonl.gz`` (floats
+    to :data:`ARCHIVE_DIGITS` significant digits) and removes the run's empty directories
+    (a sweep run writes no checkpoint or weights), leaving ``result.json`` and the archive.
+
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp(); spec = RunSpec("gspo", 1, 0)
+    >>> logs = spec.run_dir(out) / "logs"; logs.mkdir(parents=True)
+    >>> _ = (logs / METRICS_FILE).write_text('{"step": 1, "loss": 0.123456789}\\n')
+    >>> archive_metrics(spec, out); spec.read_metrics(out)
+    [{'step': 1, 'loss': 0.1235}]
+    """
+    def rounded(value: Any) -> Any:
+        return float(f"{value:.{ARCHIVE_DIGITS}g}") if isinstance(value, float) else value
+
+    plain = spec.run_dir(out) / "logs" / METRICS_FILE
+    rows = spec.read_metrics(out)
+    text = "".join(json.dumps({k: rounded(v) for k, v in row.items()}, separators=(",", ":"))
+                   + "\n" for row in rows)
+    atomic_write(spec.metrics_archive(out), gzip.compress(text.encode(), mtime=0))
+    plain.unlink(missing_ok=True)
+    for sub in spec.run_dir(out).iterdir():
+        if sub.is_dir() and not any(sub.iterdir()):
+            sub.rmdir()

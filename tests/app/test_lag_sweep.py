@@ -46,12 +46,21 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep["lags"] == [0, 2] and sweep["variants"] == ["gspo", "sat_grpo_r3"]
     # lag 2 really trained on data two versions old, and every step logged the diagnostics
-    records = [json.loads(line) for line in
-               (tmp_path / "runs" / "gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    records = RunSpec("gspo", 2, 0).read_metrics(tmp_path)
     assert [m["lag_mean"] for m in records] == [0.0, 1.0, 2.0]
     for key in ("token_gate_frac", "token_extreme_frac", "kl_k3", "grad_norm"):
         assert all(key in m for m in records), key
     assert records[0]["kl_k3"] < 1e-2  # lag 0 at step 1: only bf16-vs-fp32 mismatch
+    # a finished run keeps two small files (what a sweep resumed elsewhere needs)
+    run_files = {str(f.relative_to(tmp_path / "runs" / "gspo-lag2-seed0"))
+                 for f in (tmp_path / "runs" / "gspo-lag2-seed0").rglob("*") if f.is_file()}
+    assert run_files == {"result.json", "logs/metrics.jsonl.gz"}
+    # this invocation's share of the compute: one line, all 8 runs
+    (session,) = [json.loads(x) for x in (tmp_path / "sessions.jsonl").read_text().splitlines()]
+    assert session["runs"] == 8 and session["jobs"] == 2 and session["wall_s"] > 0
+    assert session["run_seconds"] == pytest.approx(
+        sum(float(row["seconds"]) for row in rows), abs=1.0)
+    assert "| total | | 8 |" in table
 
     results = sorted(tmp_path.glob("runs/*/result.json"))
     stamps = [p.stat().st_mtime_ns for p in results]
@@ -66,6 +75,10 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     assert r.returncode == 0 and "6 runs, 4 already done" in r.stdout, r.stdout
     selection = (tmp_path / "selection.md").read_text()
     assert "drop > 2 SE: " in selection and "Mechanism (sat_gspo, lag 2, n=2" in selection
+    assert "mean factor on gated units" in selection
+    # the invocation that re-ran nothing added no line; the selection's added one (2 runs)
+    assert [json.loads(x)["runs"] for x in
+            (tmp_path / "sessions.jsonl").read_text().splitlines()] == [8, 2]
 
 
 def test_run_configs_take_every_override_and_their_key_follows_the_config():
@@ -146,8 +159,7 @@ def test_broadcast_interval_run_serves_lags_cycling_one_to_n(tmp_path):
     assert (cfg.train.broadcast_every, cfg.train.exact_lag, cfg.train.max_lag) == (4, -1, 4)
     result = lag_sweep.run_one(spec, cfg, str(tmp_path), steps, "key")
     assert (result["lag"], result["lag_mode"]) == (4, "broadcast")
-    records = [json.loads(line) for line in
-               (spec.run_dir(tmp_path) / "logs" / "metrics.jsonl").open()]
+    records = spec.read_metrics(tmp_path)
     lags = [m["lag_mean"] for m in records]
     assert lags == [0.0, 1.0, 2.0, 3.0, 4.0, 1.0, 2.0]
     assert lags == [k - served_version(k, cfg.train) for k in range(steps)]
@@ -172,8 +184,7 @@ def test_partial_rollout_runs_move_to_the_next_version_mid_batch(tmp_path):
            "--set", "rollout.partial=true"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
-    records = [json.loads(line) for line in
-               (tmp_path / "runs" / "gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    records = RunSpec("gspo", 2, 0).read_metrics(tmp_path)
     assert [m["lag_mean"] for m in records] == [0.0, 1.0, 2.0]  # the oldest tokens' lag
     assert records[0]["partial_frac"] == 0.0  # one version exists: nothing to move to
     for m in records[1:]:  # responses longer than one segment span two versions
@@ -204,15 +215,13 @@ def test_long_answer_test_bed_runs_and_a_bounded_lag_follows_the_mismatch(tmp_pa
     assert sorted(p.parent.name for p in tmp_path.glob("runs/*/result.json")) == [
         "gspo-lag0-seed0", "gspo-lag0-seed1", "gspo-lag2-seed0", "gspo-lag2-seed1",
         "sat_gspo-lag2-seed0", "sat_gspo-lag2-seed1"]
-    records = [json.loads(line) for line in
-               (tmp_path / "runs" / "sat_gspo-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    records = RunSpec("sat_gspo", 2, 0).read_metrics(tmp_path)
     assert all(m["response_len_mean"] > 8 for m in records)  # not the 7-token answers
     assert all(m["sat_tail_frac"] > 0 for m in records)  # the token proxy's tail
     r = subprocess.run(cmd + ["--variants", "gspo_bounded", "--lags", "2", "--seeds", "0"],
                        env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
-    records = [json.loads(line) for line in
-               (tmp_path / "runs" / "gspo_bounded-lag2-seed0" / "logs" / "metrics.jsonl").open()]
+    records = RunSpec("gspo_bounded", 2, 0).read_metrics(tmp_path)
     # step 1: one version exists; each batch over the target lowers the limit by one
     assert [m["lag_mean"] for m in records] == [0.0, 1.0, 0.0]
     assert [m["lag_limit"] for m in records] == [1.0, 0.0, 0.0]
@@ -246,8 +255,7 @@ def test_every_row_of_the_papers_grid_runs(tmp_path):
         assert result["hparams"] == row.get("hparams", {}), variant
         assert math.isfinite(result["final_avg_at_k"]) and all(
             math.isfinite(r) for r in result["rewards"]), variant
-        records = [json.loads(line) for line in
-                   (spec.run_dir(tmp_path) / "logs" / "metrics.jsonl").open()]
+        records = spec.read_metrics(tmp_path)
         assert [m["lag_mean"] for m in records] == [0.0, 1.0]
         assert all(math.isfinite(m["loss"]) and m["nonfinite_steps"] == 0 for m in records)
         tis = row.get("hparams", {}).get("is_correction") == "tis"

@@ -136,7 +136,8 @@ def test_scores_are_compared_with_gspos_at_each_lag_paired_by_seed():
 
 
 def test_sat_table_averages_steps_then_seeds_for_the_objectives_that_narrow(tmp_path):
-    sat = {"sat_tail_frac": 0.1, "sat_newly_clipped_frac": 0.02,
+    sat = {"sat_q": 0.05, "sat_tail_frac": 0.1, "sat_c_plus_mean": 0.9,
+           "sat_c_minus_mean": 0.5, "sat_newly_clipped_frac": 0.02,
            "sat_mean_lo_radius": 1e-3, "sat_mean_hi_radius": 2e-3}
     _write_metrics(tmp_path, "sat_gspo", 8, 0, [sat, {**sat, "sat_newly_clipped_frac": 0.04}])
     _write_metrics(tmp_path, "sat_gspo", 8, 1, [{**sat, "sat_newly_clipped_frac": 0.06}])
@@ -144,7 +145,8 @@ def test_sat_table_averages_steps_then_seeds_for_the_objectives_that_narrow(tmp_
     results = [{"variant": v, "lag": 8, "seed": s}
                for v, s in (("sat_gspo", 0), ("sat_gspo", 1), ("gspo", 0))]
     text = sr.sat_markdown(results, sr.run_metrics(results, tmp_path), [8])
-    assert "| sat_gspo | 8 | 10.00% | 4.50% | 1.00e-03 | 2.00e-03 |" in text
+    # the mean factor on gated units is c+ + c- - 1 (one of them is 1 on each gated unit)
+    assert "| sat_gspo | 8 | 5.00e-02 | 10.00% | 0.400 | 4.50% | 1.00e-03 | 2.00e-03 |" in text
     assert "| gspo |" not in text
     # the selection's mechanism check reads the same statistics, at the largest lag only
     check = sr.mechanism_check(results, tmp_path, "sat_gspo")
@@ -157,12 +159,14 @@ def test_selection_reports_the_mechanism_but_never_its_score(tmp_path):
     hi = [0.50, 0.52, 0.49]
     for s in range(3):
         _write_metrics(tmp_path, "sat_gspo", 16, s, [{
-            "sat_tail_frac": 0.1, "sat_newly_clipped_frac": 0.01, "sat_mean_lo_radius": 1e-3,
+            "sat_q": 0.2, "sat_tail_frac": 0.1, "sat_c_plus_mean": 1.0, "sat_c_minus_mean": 0.45,
+            "sat_newly_clipped_frac": 0.01, "sat_mean_lo_radius": 1e-3,
             "sat_mean_hi_radius": 1e-3}])
     results = (_results("gspo", 1, lo) + _results("gspo", 16, hi)
                + _results("sat_gspo", 16, [0.987, 0.986, 0.985]))
     line = sr.write_selection(results, tmp_path, [1, 16], mechanism="sat_gspo")
     assert "newly clipped 1.00% of tokens" in line and "newly clipped >= 2%: no" in line
+    assert "q 2.00e-01), mean factor on gated units 0.450" in line
     text = (tmp_path / "selection.md").read_text()
     assert "0.98" not in text and "| sat_gspo |" not in text  # its scores are not shown
     saved = json.loads((tmp_path / "selection.json").read_text())
