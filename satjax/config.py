@@ -257,11 +257,16 @@ class QueueConfig:
     fsync: FsyncPolicy = "batch"
     # how long satjax train waits for the queue (queue.address, or the server it starts)
     ready_timeout_s: float = 60.0
+    # the queue's capacity Q in trajectories (serve-queue --max-pending): past it, puts are
+    # refused and workers pause (back-pressure); None: the server's own default
+    max_pending: int | None = None
 
     def check(self) -> None:
         """The ranges of this section's own fields (raises ConfigError); rules
         across sections are :func:`_check_across`'s."""
         _need(self, self.ready_timeout_s > 0, "ready_timeout_s", "> 0 seconds")
+        _need(self, self.max_pending is None or self.max_pending >= 1, "max_pending",
+              ">= 1 trajectories (or null: the queue server's default)")
 
 
 

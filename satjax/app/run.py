@@ -473,6 +473,8 @@ def start_services(cfg: Config, trainer: Trainer, peers, stack: contextlib.ExitS
                 "queue", ["serve-queue", "--port", address.rsplit(":", 1)[1], "--data-dir",
                           cfg.queue.data_dir or str(dirs.queue), "--fsync", cfg.queue.fsync,
                           "--max-lag-default", str(cfg.train.max_lag),
+                          *([] if cfg.queue.max_pending is None
+                            else ["--max-pending", str(cfg.queue.max_pending)]),
                           *queue_limit_flags(cfg, trainer.model_config)],
                 log_file=dirs.process_log("queue"), env=env, ready=queue_ready,
                 timeout=max(QUEUE_START_TIMEOUT_S, cfg.queue.ready_timeout_s),
