@@ -51,12 +51,23 @@ def trajectory_metrics(
     partial rollouts ``partial_frac`` (the share of trajectories sampled by more than one
     version) and ``lag_token_mean`` (``trainer_version`` minus each response token's own
     version, averaged over the tokens; equal to the trajectories' token-weighted lag
-    without partial rollouts)."""
+    without partial rollouts). For the staleness model of the SAT page
+    (``scripts/staleness_model.py``): ``response_len_group_max_mean`` (each group's longest
+    response, averaged over groups: with ``response_len_mean``, the page's ``M_tail``) and
+    ``rollout_tokens_per_s`` (response tokens over the engine's generation seconds: one
+    worker's rate while it generates)."""
     rewards = np.array([t.reward for t in trajectories], np.float32)
     token_versions = np.concatenate([t.versions for t in trajectories])
+    lengths = np.array([len(t.response_tokens) for t in trajectories])
+    group_max: dict[str, int] = {}
+    for t, n in zip(trajectories, lengths, strict=True):
+        group_max[t.group_id] = max(group_max.get(t.group_id, 0), int(n))
+    generating = sum(t.generation_seconds for t in trajectories)
     out = {
         "reward_max": float(rewards.max()),
-        "response_len_mean": float(np.mean([len(t.response_tokens) for t in trajectories])),
+        "response_len_mean": float(lengths.mean()),
+        "response_len_group_max_mean": float(np.mean(list(group_max.values()))),
+        "rollout_tokens_per_s": float(lengths.sum() / generating) if generating > 0 else 0.0,
         "truncated_frac": float(np.mean([t.truncated for t in trajectories])),
         "partial_frac": float(np.mean([t.partial for t in trajectories])),
         "lag_token_mean": float(np.mean(trainer_version - token_versions))

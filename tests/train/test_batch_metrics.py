@@ -101,10 +101,16 @@ def test_trajectory_metrics_are_the_host_side_extras():
     ts = [traj("a", "g", 2, 3, reward=0.0, version=5), traj("b", "g", 2, 1, reward=1.0, version=4),
           traj("c", "g", 2, 2, reward=0.5, version=4)]
     ts[0].finish_reason = "stop"  # the others were cut at max_new_tokens ("length")
+    ts.append(traj("d", "h", 2, 5, version=5))  # a second group: its longest is 5
+    for t, seconds in zip(ts, (0.5, 0.25, 0.25, 1.0), strict=True):
+        t.generation_seconds = seconds
     m = trajectory_metrics(ts, trainer_version=6)
-    assert m == {"reward_max": 1.0, "response_len_mean": 2.0, "truncated_frac": 2 / 3,
-                 "lag_hist/1": 1.0, "lag_hist/2": 2.0, "partial_frac": 0.0,
-                 "lag_token_mean": (3 * 1 + 1 * 2 + 2 * 2) / 6}
+    assert m == {"reward_max": 1.0, "response_len_mean": 11 / 4, "truncated_frac": 3 / 4,
+                 "lag_hist/1": 2.0, "lag_hist/2": 2.0, "partial_frac": 0.0,
+                 "lag_token_mean": (3 * 1 + 1 * 2 + 2 * 2 + 5 * 1) / 11,
+                 # the staleness model's inputs: mean of each group's longest (3 and 5), and
+                 # response tokens over generation seconds
+                 "response_len_group_max_mean": 4.0, "rollout_tokens_per_s": 11 / 2.0}
     # the jitted step owns reward_mean and lag_mean/lag_max; they are not recomputed here
     assert not {"reward_mean", "lag_mean", "lag_max"} & set(m)
 
