@@ -18,7 +18,7 @@ k is sampled by version ``N * ((k - 1) // N)``, so its lag cycles 1..N
 the exact-lag runs (``<variant>-lag<L>-seed<s>``) in the same ``--out``.
 
 Outputs under ``--out``: ``runs/<name>/result.json`` and ``logs/metrics.jsonl`` per run,
-the metrics gzipped when the run finishes (``logs/metrics.jsonl.gz``, floats to 4
+the metrics gzipped when the run finishes (``logs/metrics.jsonl.gz``, floats to 6
 significant digits: these two small files are all a finished run keeps, so a sweep's
 finished runs can be committed and resumed from another checkout); a finished run whose
 full config is unchanged is skipped on re-run, so an interrupted sweep loses nothing and a
@@ -137,6 +137,24 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
         raise ValueError("--set objective.name: must not be set; the variants choose the "
                          "objective (use --variants)")
     return common, per_variant
+
+
+def per_variant_ints(items: list[str], flag: str) -> dict[str, list[int]]:
+    """``VARIANT[,VARIANT]:N,N,...`` values (``--seeds-of``, ``--lags-of``) as
+    {variant: numbers}; ``paper`` stands for the paper's rows, as in ``--variants``.
+
+    >>> per_variant_ints(["gspo,sat_gspo:1,8,16", "grpo:0,1"], "--lags-of")
+    {'gspo': [1, 8, 16], 'sat_gspo': [1, 8, 16], 'grpo': [0, 1]}
+    """
+    out: dict[str, list[int]] = {}
+    for item in items:
+        names, sep, numbers = item.partition(":")
+        if not sep or not names or not numbers:
+            raise ValueError(f"{flag} {item!r}: must be VARIANT[,VARIANT]:N[,N...]")
+        values = [int(x) for x in numbers.split(",")]
+        for name in variant_names(names):
+            out[name] = values
+    return out
 
 
 def variant_names(text: str | None) -> list[str]:
@@ -392,6 +410,12 @@ def main(argv: list[str]) -> int:
                         "(train.broadcast_every; the SAT paper's 'lag 8') (default: "
                         "%(default)s)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
+    p.add_argument("--seeds-of", action="append", default=[], metavar="VARIANT[,VARIANT]:SEEDS",
+                   help="these variants' seeds instead of --seeds, e.g. grpo_tis,gspo_tis:0,1,2,3 "
+                        "(repeatable): one command for a design with fewer seeds in some rows")
+    p.add_argument("--lags-of", action="append", default=[], metavar="VARIANT[,VARIANT]:LAGS",
+                   help="these variants' lags instead of --lags, e.g. gspo,sat_gspo:1,8,16 "
+                        "(repeatable)")
     p.add_argument("--steps", type=int, default=60,
                    help="RL steps per run (default: %(default)s)")
     p.add_argument("--eval-every", type=int, default=20,
@@ -447,17 +471,28 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
         seeds = [int(x) for x in args.seeds.split(",")]
         seq_eps = None if args.seq_eps == "own" else tuple(
             float(x) for x in args.seq_eps.split(","))
+        seeds_of = per_variant_ints(args.seeds_of, "--seeds-of")
+        lags_of = per_variant_ints(args.lags_of, "--lags-of")
     except ValueError as e:
-        p.error(f"--lags/--seeds/--seq-eps: must be comma-separated numbers ({e})")
+        p.error(f"--lags/--seeds/--seq-eps/--seeds-of/--lags-of: must be comma-separated "
+                f"numbers ({e})")
     if seq_eps is not None and len(seq_eps) != 2:
         p.error(f"--seq-eps: must be LOW,HIGH or 'own', got {args.seq_eps!r}")
-    if min(lags) < 0 or args.steps < 1 or args.eval_every < 1 or args.jobs < 1:
+    if args.selection and (seeds_of or lags_of):
+        p.error("--selection: runs its own cells; drop --seeds-of and --lags-of")
+    unknown = (set(seeds_of) | set(lags_of)) - set(variants)
+    if unknown:
+        p.error(f"--seeds-of/--lags-of: {sorted(unknown)} not among --variants")
+    all_lags = sorted({*lags, *(x for xs in lags_of.values() for x in xs)})
+    if min(all_lags) < 0 or args.steps < 1 or args.eval_every < 1 or args.jobs < 1:
         p.error("--lags must be >= 0; --steps, --eval-every and --jobs >= 1")
-    if args.lag_mode == "broadcast" and min(lags) < 1:
+    if args.lag_mode == "broadcast" and min(all_lags) < 1:
         p.error("--lags: broadcast intervals must be >= 1 (--lag-mode broadcast)")
     if args.selection:
         variants, lags = [SELECTION_VARIANT], sorted({min(lags), max(lags)})
-    specs = [RunSpec(v, lag, s, args.lag_mode) for v in variants for lag in lags for s in seeds]
+        all_lags = lags
+    specs = [RunSpec(v, lag, s, args.lag_mode) for v in variants
+             for lag in lags_of.get(v, lags) for s in seeds_of.get(v, seeds)]
     if args.selection:  # the mechanism check: SAT-GSPO at the largest lag, no score read
         specs += [RunSpec(MECHANISM_VARIANT, max(lags), s, args.lag_mode) for s in seeds]
     out = Path(args.out)
@@ -497,7 +532,7 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
     sweep = {
         "argv": argv, "selection": args.selection, "config": args.config,
         "overrides": args.overrides, "variants": variants, "lags": lags,
-        "lag_mode": args.lag_mode, "seeds": seeds,
+        "lag_mode": args.lag_mode, "seeds": seeds, "seeds_of": seeds_of, "lags_of": lags_of,
         "steps": args.steps, "eval_every": args.eval_every, "jobs": args.jobs,
         "seq_eps": seq_eps, "warmup": warmup, "warmup_avg_at_k": warmup_score,
         "k": warmup_cfg.eval.k, "versions": versions_line(VERSION_PACKAGES),
@@ -537,7 +572,7 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
                               mechanism=MECHANISM_VARIANT), end="")
         wrote = f"{out / 'selection.md'}"
     else:
-        write_csv_table_plots(results, out, lags, warmup_avg_at_k=warmup_score)
+        write_csv_table_plots(results, out, all_lags, warmup_avg_at_k=warmup_score)
         wrote = f"{out / 'results.csv'}, {out / 'results.md'} and plots"
     print(f"wrote {wrote}; this invocation ran {len(todo)} runs in "
           f"{time.time() - t_start:.0f} s")

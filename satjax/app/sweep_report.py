@@ -102,6 +102,8 @@ def collapse_stats(rewards: list[float]) -> dict[str, Any]:
 
 
 def _fmt_ci(m: float, h: float) -> str:
+    if np.isnan(m):  # a cell the sweep did not run (per-variant --lags-of / --seeds-of)
+        return "—"
     return f"{m:.3f}" if np.isnan(h) else f"{m:.3f} ± {h:.3f}"
 
 

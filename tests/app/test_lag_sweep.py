@@ -68,6 +68,14 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
                        cwd=REPO)
     assert r.returncode == 0 and "8 runs, 8 already done, 0 to redo" in r.stdout, r.stdout
     assert [p.stat().st_mtime_ns for p in results] == stamps  # nothing re-ran
+    # one command for a design with fewer cells in some rows: gspo at lag 0 only,
+    # sat_grpo_r3 with seed 0 only; every cell is done already, the report shows the rest
+    # as not run
+    r = subprocess.run(cmd + variants + ["--lags-of", "gspo:0", "--seeds-of", "sat_grpo_r3:0"],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0 and "4 runs, 4 already done, 0 to redo" in r.stdout, r.stdout
+    table = (tmp_path / "results.md").read_text()
+    assert "| gspo | " in table and "| —" in table.split("| gspo |")[1].split("\n")[0]
     # the selection phase (gspo at the smallest and largest lag) reuses the same runs and
     # adds its mechanism check, SAT-GSPO at the largest lag
     r = subprocess.run(cmd + ["--selection"], env=env, capture_output=True, text=True,
@@ -79,6 +87,15 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     # the invocation that re-ran nothing added no line; the selection's added one (2 runs)
     assert [json.loads(x)["runs"] for x in
             (tmp_path / "sessions.jsonl").read_text().splitlines()] == [8, 2]
+
+
+def test_per_variant_cells_name_variants_of_the_sweep(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "satjax", "lag-sweep", "--out", str(tmp_path),
+                        "--variants", "gspo", "--seeds-of", "grpo:0,1"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "--seeds-of/--lags-of: ['grpo'] not among --variants" in r.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything ran
 
 
 def test_run_configs_take_every_override_and_their_key_follows_the_config():
