@@ -11,22 +11,24 @@ and the queue's capacity ``Q`` (``q_Q = Q / B``)::
     n = C M_tail / B + rho                               rho < 1 (rollout-bound)
     n = C M_tail / (rho B) + (2 q_Q + rho - 1) / (2 rho)  rho > 1 (train-bound)
 
-This script reads the inputs from the run itself: ``v_R`` is the number of workers times one
-worker's generation rate (``rollout_tokens_per_s``: response tokens over the engine's
-generation seconds), ``v_T`` the trained tokens over the trainer's own time per step (train
-step, publish, checkpoint; its wait for data excluded), ``C`` the workers times one worker's
-batch (``prompts_per_step x group_size`` responses sampled at once), ``B`` the trainer's
-batch, ``Q`` ``queue.max_pending``, ``M_tail`` from ``response_len_group_max_mean`` and
-``response_len_mean``. It prints them, the prediction, and the realised lag (each token's
-trainer version minus the version that sampled it: ``lag_token_mean``, and the distribution
-by trajectory from ``lag_hist/*``), over the steps after ``--skip`` (the start, before the
-pipeline fills). Nothing here is fitted.
+This script reads the inputs from the run itself: ``v_R`` is what the workers made while not
+paused by the queue's back-pressure (each worker's last log line: ``stopped after N
+trajectories (paused P s of T s)``; N x the mean response length over T - P, summed over
+workers: generation, weight loads and puts included), ``v_T`` the trained tokens over the
+trainer's own time per step (train step, publish, checkpoint; its wait for data excluded),
+``C`` the workers times one worker's batch (``prompts_per_step x group_size`` responses
+sampled at once), ``B`` the trainer's batch, ``Q`` ``queue.max_pending``, ``M_tail`` from
+``response_len_group_max_mean`` and ``response_len_mean``. It prints them, the prediction,
+and the realised lag (each token's trainer version minus the version that sampled it:
+``lag_token_mean``, and the distribution by trajectory from ``lag_hist/*``), over the steps
+after ``--skip`` (the start, before the pipeline fills). Nothing here is fitted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +36,7 @@ import numpy as np
 import yaml
 
 QUEUE_DEFAULT_MAX_PENDING = 100_000  # serve-queue's --max-pending when queue.max_pending is null
+STOP_LINE = re.compile(r"stopped after (\d+) trajectories \(paused ([\d.]+) s of ([\d.]+) s\)")
 
 
 def predicted_lag(rho: float, c: float, b: float, m_tail: float, q: float) -> dict[str, float]:
@@ -54,6 +57,24 @@ def predicted_lag(rho: float, c: float, b: float, m_tail: float, q: float) -> di
     else:
         pre, inq = c * m_tail / (rho * b), (2 * q_q + rho - 1) / (2 * rho)
     return {"pre_queue": pre, "in_queue": inq, "mean": pre + inq}
+
+
+def worker_capacity(logs: Path, workers: int) -> dict[str, float]:
+    """The workers' trajectories and their unpaused seconds, from each worker's stop line."""
+    made, unpaused, paused = 0, 0.0, 0.0
+    for w in range(workers):
+        path = logs / f"worker{w}.log"
+        found = [m for line in (path.read_text().splitlines() if path.is_file() else [])
+                 if (m := STOP_LINE.search(line))]
+        if not found:
+            raise SystemExit(f"staleness_model: no stop line in {path} (a worker that ended "
+                             f"early, or a run made before workers logged their pauses)")
+        n, p, total = found[-1].groups()
+        made += int(n)
+        unpaused += float(total) - float(p)
+        paused += float(p)
+    return {"trajectories": made, "unpaused_s": unpaused,
+            "paused_share": paused / max(paused + unpaused, 1e-9)}
 
 
 def inputs(run_dir: Path, skip: int) -> dict[str, float]:
@@ -80,7 +101,8 @@ def inputs(run_dir: Path, skip: int) -> dict[str, float]:
     tokens = [r["response_len_mean"] * r["sequences"] for r in rows]
     busy = [r["time/step_s"] + r.get("time/publish_s", 0.0) + r.get("time/checkpoint_s", 0.0)
             for r in rows]
-    v_r = workers * mean("rollout_tokens_per_s")
+    made = worker_capacity(run_dir / "logs", workers)
+    v_r = made["trajectories"] * mean("response_len_mean") / made["unpaused_s"]
     v_t = float(np.sum(tokens) / np.sum(busy))
     hist: dict[int, float] = {}
     for r in rows:
@@ -88,7 +110,8 @@ def inputs(run_dir: Path, skip: int) -> dict[str, float]:
             if key.startswith("lag_hist/"):
                 lag = int(key.split("/", 1)[1])
                 hist[lag] = hist.get(lag, 0.0) + count
-    return {"workers": workers, "v_R": v_r, "v_T": v_t, "rho": v_r / v_t,
+    return {"workers": workers, "v_R": v_r, "paused_share": made["paused_share"],
+            "generating_rate": workers * mean("rollout_tokens_per_s"), "v_T": v_t, "rho": v_r / v_t,
             "C": workers * batch, "B": batch, "Q": float(max_pending),
             "M_tail": mean("response_len_group_max_mean") / mean("response_len_mean"),
             "steps": len(rows), "realised_mean": mean("lag_token_mean"),
@@ -110,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     pred = predicted_lag(x["rho"], x["C"], x["B"], x["M_tail"], x["Q"])
     regime = "rollout-bound (rho < 1)" if x["rho"] < 1 else "train-bound (rho > 1)"
     print(f"run {args.run_dir}, steps after the first {args.skip}: {x['steps']}")
-    print(f"  v_R {x['v_R']:.0f} tok/s ({x['workers']} workers), v_T {x['v_T']:.0f} tok/s, "
-          f"rho {x['rho']:.2f}: {regime}; the trainer waited for data "
-          f"{x['wait_share']:.0%} of its time")
+    print(f"  v_R {x['v_R']:.0f} tok/s ({x['workers']} workers, paused "
+          f"{x['paused_share']:.0%} of their time; {x['generating_rate']:.0f} tok/s while "
+          f"generating), v_T {x['v_T']:.0f} tok/s, rho {x['rho']:.2f}: {regime}; the trainer "
+          f"waited for data {x['wait_share']:.0%} of its time")
     print(f"  C {x['C']:.0f}, B {x['B']:.0f}, Q {x['Q']:.0f} (q_Q {x['Q'] / x['B']:.1f}), "
           f"M_tail {x['M_tail']:.3f}")
     print(f"  predicted mean token lag {pred['mean']:.2f} (pre-queue {pred['pre_queue']:.2f} "

@@ -43,9 +43,19 @@ def test_inputs_come_from_the_runs_config_and_metrics(tmp_path):
                      f"lag_hist/{2 + i % 2}": 32.0})
     (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
                                                              for r in rows))
+    with pytest.raises(SystemExit, match="no stop line in"):
+        MODULE["inputs"](tmp_path, skip=2)
+    # the workers' own stop lines: 960 trajectories in 12 - 4 unpaused seconds each
+    for w in range(3):
+        (tmp_path / "logs" / f"worker{w}.log").write_text(
+            "2026-12-07 04:01:59,512 satjax.rollout.worker worker w0 put group g: 8 of 8\n"
+            f"2026-12-07 04:02:03,876 satjax.app.worker_process worker {w} stopped after 960 "
+            "trajectories (paused 4.0 s of 12.0 s)\n")
     x = MODULE["inputs"](tmp_path, skip=2)
-    assert x["steps"] == 10
-    assert x["v_R"] == 300.0 and x["v_T"] == pytest.approx(32 * 2.5 / 0.8)
+    assert x["steps"] == 10 and x["generating_rate"] == 300.0
+    assert x["v_R"] == pytest.approx(3 * 960 * 2.5 / 24)
+    assert x["paused_share"] == pytest.approx(1 / 3)
+    assert x["v_T"] == pytest.approx(32 * 2.5 / 0.8)
     assert x["rho"] == pytest.approx(3.0)
     assert (x["C"], x["B"], x["Q"]) == (96, 32, 64.0)
     assert x["M_tail"] == pytest.approx(1.2) and x["realised_mean"] == 2.5

@@ -116,5 +116,6 @@ def main(argv: list[str]) -> int:
         # (naming the example): one line, not a traceback
         log.error("worker %s stopped after %d trajectories: %s", wid, worker.produced, e)
         return 1
-    log.info("worker %s stopped after %d trajectories", wid, n)
+    log.info("worker %s stopped after %d trajectories (paused %.1f s of %.1f s)", wid, n,
+             worker.paused_s, worker.active_s)
     return 0

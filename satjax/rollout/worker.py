@@ -250,6 +250,10 @@ class RolloutWorker:
         self._served: tuple[int, str | None] | None = None
         self.refused: int | None = None  # the last version refused (maybe_sync)
         self.produced = 0
+        # seconds of run() after the first weights, and of them paused by the queue's
+        # back-pressure: the rollout side's capacity is what it makes while not paused
+        self.active_s = 0.0
+        self.paused_s = 0.0
 
     # -- weights -------------------------------------------------------------------
     def maybe_sync(self, wait: bool = False) -> bool:
@@ -384,6 +388,14 @@ class RolloutWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop_event.set())
         self.maybe_sync(wait=True)
+        t_start = time.perf_counter()
+        try:
+            return self._loop(max_batches)
+        finally:
+            self.active_s = time.perf_counter() - t_start
+
+    def _loop(self, max_batches: int | None) -> int:
+        """run's loop: pause on the queue's back-pressure, sample a batch, put its groups."""
         done = 0
         cfg = self.cfg
         while not self.stop_event.is_set() and (max_batches is None or done < max_batches):
@@ -398,7 +410,9 @@ class RolloutWorker:
             if decision is None:
                 break
             if decision.pause:
+                t0 = time.perf_counter()
                 self.stop_event.wait(cfg.pause_poll_s)
+                self.paused_s += time.perf_counter() - t0
                 continue
             trajectories = self.sampler.sample(self.maybe_sync if cfg.partial else None)
             # Put even if a stop arrived while sampling: the work is finished, keep it.

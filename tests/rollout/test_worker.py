@@ -317,3 +317,41 @@ def test_builtin_worker_follows_delta_versions_bit_exactly(tmp_path):
     assert engine.calls == [("full", 0), ("deltas", [1, 2, 3, 4, 5])]
     want = hf_state_dict(models[2])
     assert all(hf_state_dict(engine.model)[k].tobytes() == want[k].tobytes() for k in want)
+
+
+@pytest.mark.slow
+def test_a_worker_counts_the_time_the_queues_back_pressure_paused_it(tmp_path):
+    """What the staleness model reads as the rollout side's capacity: a worker's time
+    after its first weights (``active_s``) and, of it, the time it waited on the queue's
+    back-pressure (``paused_s``)."""
+    import threading
+
+    from satjax.queue.client import QueueClient
+    from satjax.queue.core import QueueSettings
+    from satjax.queue.server import QueueServer
+
+    token = "rollout-test-token"
+    server = QueueServer(tmp_path / "queue", token, settings=QueueSettings(max_pending=8))
+    client = QueueClient(f"127.0.0.1:{server.start(0)}", token=token)
+    client.wait_ready(timeout=30)
+    tok = CharTokenizer()
+    task = ArithmeticTask()
+    canary = [tok.bos_id, *tok.encode("1+1=2"), tok.eos_id]
+    _publish(WeightPublisher(tmp_path / "weights"), _model(tok, 0), 0, canary)
+    cfg = WorkerConfig(group_size=4, prompts_per_step=2, worker_id="p",
+                       sampling=SamplingParams(max_new_tokens=3, stop_token_ids=(tok.eos_id,)))
+    worker = RolloutWorker(BuiltinEngine("float32", pad_id=tok.pad_id), task, tok, client,
+                           WeightSubscriber(tmp_path / "weights"),
+                           iter(prompt_dataset(task, seed=0)), cfg)
+    try:
+        # one batch of 8 fills the queue (nobody takes it): the worker then pauses until
+        # stopped
+        timer = threading.Timer(8.0, worker.stop_event.set)
+        timer.start()
+        assert worker.run(max_batches=3, install_signal_handlers=False) == 8
+        timer.join()
+        assert worker.paused_s > 2.0, worker.paused_s
+        assert worker.paused_s < worker.active_s < 8.0 + 5.0
+    finally:
+        client.close()
+        server.stop(1.0)
