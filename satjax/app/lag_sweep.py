@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from satjax.app.sweep_spec import RunSpec, archive_metrics
-from satjax.utils import die_with_parent, versions_line
+from satjax.utils import atomic_write, die_with_parent, versions_line
 
 # The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
 # (radii (0.2, 0.2) for GRPO, GSPO and their SAT variants alike): TIS truncates the
@@ -251,7 +251,6 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
     from satjax.train.lag_schedule import served_version
     from satjax.train.metrics import MetricsLogger
     from satjax.train.trainer import Trainer
-    from satjax.utils import atomic_write
 
     use_compile_cache(compile_cache)
     run_dir = spec.run_dir(out)
@@ -333,8 +332,6 @@ class Session:
             "cpus": os.cpu_count(), "commit": _commit(), "argv": argv}
 
     def finished(self, run_seconds: float) -> None:
-        from satjax.utils import atomic_write
-
         self.line["runs"] += 1
         self.line["run_seconds"] = round(self.line["run_seconds"] + run_seconds, 1)
         self.line["wall_s"] = round(time.time() - self.t0, 1)
@@ -537,8 +534,6 @@ def _sweep(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]
         "seq_eps": seq_eps, "warmup": warmup, "warmup_avg_at_k": warmup_score,
         "k": warmup_cfg.eval.k, "versions": versions_line(VERSION_PACKAGES),
     }
-    from satjax.utils import atomic_write
-
     atomic_write(out / SWEEP_FILE, json.dumps(sweep, indent=1))
     print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {stale} to redo "
           f"(their config changed), {args.jobs} in parallel")
@@ -586,7 +581,6 @@ def _warmup_score(warmup_cfg, warmup: dict[str, Any]) -> float:
     from satjax.app.evaluate import evaluate
     from satjax.app.factory import build_task, build_tokenizer, prompt_format, sampling_params
     from satjax.app.run import warm_start
-    from satjax.utils import atomic_write
 
     tok = build_tokenizer(warmup_cfg)
     task = build_task(warmup_cfg, tok)
