@@ -60,8 +60,9 @@ def predicted_lag(rho: float, c: float, b: float, m_tail: float, q: float) -> di
 
 
 def worker_capacity(logs: Path, workers: int) -> dict[str, float]:
-    """The workers' trajectories and their unpaused seconds, from each worker's stop line."""
-    made, unpaused, paused = 0, 0.0, 0.0
+    """From each worker's stop line: the workers' summed rate while not paused
+    (trajectories per unpaused second, each worker's, added up) and the paused share."""
+    rate, unpaused, paused = 0.0, 0.0, 0.0
     for w in range(workers):
         path = logs / f"worker{w}.log"
         found = [m for line in (path.read_text().splitlines() if path.is_file() else [])
@@ -70,11 +71,10 @@ def worker_capacity(logs: Path, workers: int) -> dict[str, float]:
             raise SystemExit(f"staleness_model: no stop line in {path} (a worker that ended "
                              f"early, or a run made before workers logged their pauses)")
         n, p, total = found[-1].groups()
-        made += int(n)
+        rate += int(n) / max(float(total) - float(p), 1e-9)
         unpaused += float(total) - float(p)
         paused += float(p)
-    return {"trajectories": made, "unpaused_s": unpaused,
-            "paused_share": paused / max(paused + unpaused, 1e-9)}
+    return {"trajectories_per_s": rate, "paused_share": paused / max(paused + unpaused, 1e-9)}
 
 
 def inputs(run_dir: Path, skip: int) -> dict[str, float]:
@@ -102,7 +102,7 @@ def inputs(run_dir: Path, skip: int) -> dict[str, float]:
     busy = [r["time/step_s"] + r.get("time/publish_s", 0.0) + r.get("time/checkpoint_s", 0.0)
             for r in rows]
     made = worker_capacity(run_dir / "logs", workers)
-    v_r = made["trajectories"] * mean("response_len_mean") / made["unpaused_s"]
+    v_r = made["trajectories_per_s"] * mean("response_len_mean")
     v_t = float(np.sum(tokens) / np.sum(busy))
     hist: dict[int, float] = {}
     for r in rows:

@@ -53,10 +53,10 @@ def test_inputs_come_from_the_runs_config_and_metrics(tmp_path):
             "trajectories (paused 4.0 s of 12.0 s)\n")
     x = MODULE["inputs"](tmp_path, skip=2)
     assert x["steps"] == 10 and x["generating_rate"] == 300.0
-    assert x["v_R"] == pytest.approx(3 * 960 * 2.5 / 24)
+    assert x["v_R"] == pytest.approx(3 * 960 * 2.5 / 8)  # each worker's rate, added up
     assert x["paused_share"] == pytest.approx(1 / 3)
     assert x["v_T"] == pytest.approx(32 * 2.5 / 0.8)
-    assert x["rho"] == pytest.approx(3.0)
+    assert x["rho"] == pytest.approx(9.0)
     assert (x["C"], x["B"], x["Q"]) == (96, 32, 64.0)
     assert x["M_tail"] == pytest.approx(1.2) and x["realised_mean"] == 2.5
     assert x["hist"] == {2: 160.0, 3: 160.0} and x["wait_share"] == pytest.approx(0.2)
@@ -64,7 +64,7 @@ def test_inputs_come_from_the_runs_config_and_metrics(tmp_path):
                         str(tmp_path / "lag.png")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    # rho 3 > 1: C M / (rho B) + (2 q_Q + rho - 1) / (2 rho) = 1.2 + (4 + 2) / 6 = 2.2
-    assert "predicted mean token lag 2.20 (pre-queue 1.20 + in-queue 1.00)" in r.stdout
+    # rho 9 > 1: C M / (rho B) + (2 q_Q + rho - 1) / (2 rho) = 0.4 + (4 + 8) / 18
+    assert "predicted mean token lag 1.07 (pre-queue 0.40 + in-queue 0.67)" in r.stdout
     assert "realised mean token lag 2.50" in r.stdout
     assert (tmp_path / "lag.png").stat().st_size > 1000
