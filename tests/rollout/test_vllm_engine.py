@@ -476,7 +476,8 @@ def test_an_update_during_a_request_still_empties_the_prefix_cache(served, monke
     for c, ref in zip(comps, _teacher_forced(models[1], comps, 1.0), strict=True):
         _check_record(c, ref, worst)
         np.testing.assert_allclose(c.logprobs, ref[0], atol=ATOL, rtol=0)
-    assert cached == [0] + [BLOCK] * 3, cached  # the new model's block, computed once
+    # the new model's block, computed once (by whichever request vLLM scheduled first)
+    assert sorted(cached) == [0] + [BLOCK] * 3, cached
     # the update did overlap the request: vLLM refused the reset at least once
     assert engine.last_sync_info["prefix_cache_reset_tries"] > 1
 
