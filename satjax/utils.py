@@ -159,6 +159,25 @@ def retain_freed_memory(pad_bytes: int = 64 << 20, mmap_bytes: int = 32 << 20) -
                 and libc.mallopt(m_top_pad, int(pad_bytes)))
 
 
+def code_commit() -> str | None:
+    """The commit of the satjax checkout this code runs from (``+dirty`` with uncommitted
+    changes to tracked files); None for an installed wheel or without git. Asked of the
+    package's own directory, not the working directory: a sweep run from elsewhere still
+    records the code it ran."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10, cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, cwd=here
+                               ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def versions_line(packages: tuple[str, ...]) -> str:
     """``versions: python 3.11.9, jax 0.10.2, ...; 2 CPUs, Linux x86_64``: what a figure
     ran on (``packages`` not installed are left out)."""

@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-QUEUE_DEFAULT_MAX_PENDING = 100_000  # serve-queue's --max-pending when queue.max_pending is null
+from satjax.queue.core import QueueSettings
+
 STOP_LINE = re.compile(r"stopped after (\d+) trajectories \(paused ([\d.]+) s of ([\d.]+) s\)")
 
 
@@ -93,7 +94,8 @@ def inputs(run_dir: Path, skip: int) -> dict[str, float]:
     rollout = cfg["rollout"]
     workers = int(rollout["num_workers"])
     batch = int(rollout["prompts_per_step"]) * int(rollout["group_size"])
-    max_pending = cfg.get("queue", {}).get("max_pending") or QUEUE_DEFAULT_MAX_PENDING
+    # null: the server's own default (serve-queue's --max-pending)
+    max_pending = cfg.get("queue", {}).get("max_pending") or QueueSettings.max_pending
 
     def mean(name: str) -> float:
         return float(np.mean([r[name] for r in rows]))

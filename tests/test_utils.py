@@ -3,6 +3,8 @@
 import os
 import platform
 
+import pytest
+
 from satjax import utils
 
 
@@ -30,3 +32,20 @@ def test_writev_all_finishes_partial_writes_and_long_buffer_lists(tmp_path, monk
 
 def test_retain_freed_memory_applies_on_glibc_only():
     assert utils.retain_freed_memory() == (platform.libc_ver()[0] == "glibc")
+
+
+def test_code_commit_names_the_checkout_of_the_code_wherever_it_runs_from(tmp_path,
+                                                                         monkeypatch):
+    """A sweep's ``sessions.jsonl`` records the commit of the code it ran, read from the
+    package's checkout even when the working directory is another repository."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.chdir(tmp_path)  # a repository without a commit: git would fail here
+    assert utils.code_commit() in (head, head + "+dirty")

@@ -53,8 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from satjax.app.sweep_spec import RunSpec, archive_metrics
-from satjax.utils import atomic_write, die_with_parent, versions_line
+from satjax.app.sweep_spec import SESSIONS_FILE, RunSpec, archive_metrics
+from satjax.utils import atomic_write, code_commit, die_with_parent, versions_line
 
 # The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
 # (radii (0.2, 0.2) for GRPO, GSPO and their SAT variants alike): TIS truncates the
@@ -108,9 +108,6 @@ SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective's scor
 # the largest lag (sweep_report.MECHANISM_MIN_NEWLY_CLIPPED)
 MECHANISM_VARIANT = "sat_gspo"
 SWEEP_FILE = "sweep.json"
-# one line per invocation that ran runs: its share of the sweep's compute (a sweep may be
-# spread over sessions; each one's share is read from here)
-SESSIONS_FILE = "sessions.jsonl"
 VERSION_PACKAGES = ("satjax", "jax", "jaxlib", "flax", "optax", "numpy")
 
 
@@ -329,7 +326,7 @@ class Session:
         self.line: dict[str, Any] = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.t0)),
             "wall_s": 0.0, "runs": 0, "run_seconds": 0.0, "jobs": jobs,
-            "cpus": os.cpu_count(), "commit": _commit(), "argv": argv}
+            "cpus": os.cpu_count(), "commit": code_commit(), "argv": argv}
 
     def finished(self, run_seconds: float) -> None:
         self.line["runs"] += 1
@@ -337,20 +334,6 @@ class Session:
         self.line["wall_s"] = round(time.time() - self.t0, 1)
         atomic_write(self.path, "".join(f"{x}\n" for x in [*self.others,
                                                             json.dumps(self.line)]))
-
-
-def _commit() -> str | None:
-    """The checkout's commit (with ``+dirty`` for uncommitted changes), None outside git."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
 
 
 def _next_version(engine, history: collections.deque, lag: int):
@@ -437,8 +420,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from satjax.app.commands import ExitOnInterrupt
 
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a background job of a script (`cmd &`) or nohup: SIGINT is ignored, as for every
+        # such job, so `kill -INT` does nothing; say what stops it
+        print(f"satjax lag-sweep: SIGINT is ignored here (a background job); stop it with "
+              f"`kill {os.getpid()}` (SIGTERM: the finished runs are kept)", file=sys.stderr)
     # Ctrl-C: one line, exit 130, whatever the sweep is doing (a compile included); the
-    # pool's workers ignore it and die with this process (_pool_worker)
+    # pool's workers ignore it and die with this process (_pool_worker); so they do on
+    # SIGTERM, whose default action ends this process
     with ExitOnInterrupt(lambda: f"satjax lag-sweep: interrupted; the finished runs are kept "
                                  f"in {args.out} (the same command reuses them)"):
         return _sweep(p, args, argv)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from satjax.app.sweep_spec import RunSpec
+from satjax.app.sweep_spec import SESSIONS_FILE, RunSpec
 from satjax.utils import atomic_write
 
 SMOOTH_WINDOW = 10  # steps: a batch of 8 prompts gives a very noisy per-step reward
@@ -346,9 +346,10 @@ def write_selection(results: list[dict[str, Any]], out: Path, lags: list[int], *
     return text
 
 
-def sessions_markdown(out: Path, sessions_file: str = "sessions.jsonl") -> str:
-    """The compute each invocation of the sweep in ``out`` spent (its ``sessions.jsonl``, one
-    line per invocation, written by ``satjax lag-sweep``), and the total.
+def sessions_markdown(out: Path) -> str:
+    """The compute each invocation of the sweep in ``out`` spent (its
+    :data:`~satjax.app.sweep_spec.SESSIONS_FILE`, one line per invocation, written by
+    ``satjax lag-sweep``), and the total.
 
     >>> import tempfile, json
     >>> out = Path(tempfile.mkdtemp())
@@ -358,7 +359,7 @@ def sessions_markdown(out: Path, sessions_file: str = "sessions.jsonl") -> str:
     >>> print(sessions_markdown(out).splitlines()[-1])
     | total | | 10 | 1.00 h | 1.94 h | |
     """
-    path = out / sessions_file
+    path = out / SESSIONS_FILE
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.exists() else []
     text = ["Compute, per invocation of the sweep (wall: from its start to its last finished "

@@ -14,6 +14,9 @@ from satjax.run_dir import METRICS_FILE
 from satjax.utils import atomic_write
 
 LagMode = Literal["exact", "broadcast"]
+# one line per invocation of a sweep that ran runs: its share of the sweep's compute (a sweep
+# may be spread over sessions; each one's share is read from here)
+SESSIONS_FILE = "sessions.jsonl"
 # a run's name: <variant>-<prefix><lag>-seed<seed>
 NAME_PREFIX: dict[str, str] = {"exact": "lag", "broadcast": "bcast"}
 

@@ -282,11 +282,9 @@ def test_every_row_of_the_papers_grid_runs(tmp_path):
     assert result["hparams"] == {} and result["objective"] == "sat_gspo"  # the last row
 
 
-def test_ctrl_c_of_a_sweep_is_one_line_and_its_runs_stop(tmp_path):
-    """A terminal's Ctrl-C reaches the sweep and every run's process: before, each printed
-    its own traceback (230 lines in all). Now: one line, exit 130, the runs' processes gone
-    (they ignore SIGINT and get SIGTERM from the kernel when the sweep exits)."""
-    import signal
+def _start_sweep(tmp_path, **popen):
+    """A two-run sweep in its own session (its own process group), up to the point where
+    its pool has started the runs."""
     import time
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
@@ -294,25 +292,40 @@ def test_ctrl_c_of_a_sweep_is_one_line_and_its_runs_stop(tmp_path):
     cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--out", str(tmp_path), "--lags", "1",
            "--seeds", "0,1", "--steps", "50", "--jobs", "2", "--variants", "gspo",
            "--set", "sft.steps=2", "--compile-cache", "none"]
-    # its own session: the SIGINT goes to its process group, as a terminal's would
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)
+    for line in proc.stdout:  # the pool has started its runs
+        if "in parallel" in line:
+            break
+    time.sleep(3)  # the runs import and compile
+    return proc
+
+
+def _wait_group_gone(proc) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # any process of the sweep's group left?
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail("the sweep's runs outlived it by 30 s")
+
+
+def test_ctrl_c_of_a_sweep_is_one_line_and_its_runs_stop(tmp_path):
+    """A terminal's Ctrl-C reaches the sweep and every run's process: before, each printed
+    its own traceback (230 lines in all). Now: one line, exit 130, the runs' processes gone
+    (they ignore SIGINT and get SIGTERM from the kernel when the sweep exits)."""
+    import signal
+
+    proc = _start_sweep(tmp_path)
     try:
-        for line in proc.stdout:  # the pool has started its runs
-            if "in parallel" in line:
-                break
-        time.sleep(3)  # the runs import and compile
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # to its process group, as a terminal's would
         _, err = proc.communicate(timeout=60)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)  # any process of the sweep's group left?
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the sweep's runs outlived it by 30 s")
+        _wait_group_gone(proc)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -323,3 +336,29 @@ def test_ctrl_c_of_a_sweep_is_one_line_and_its_runs_stop(tmp_path):
     assert after == [
         f"satjax lag-sweep: interrupted; the finished runs are kept in {tmp_path} (the same "
         "command reuses them)"], err[-3000:]
+
+
+def test_a_background_sweep_says_how_to_stop_it_and_sigterm_stops_its_runs(tmp_path):
+    """A sweep started as a script's background job (``cmd &``) inherits SIGINT ignored, so
+    ``kill -INT`` leaves it running (a sweep once went on for 50 minutes so): it says so
+    with the command that stops it, and SIGTERM to its own pid ends it and its runs."""
+    import signal
+    import time
+
+    proc = _start_sweep(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                   signal.SIG_IGN))
+    try:
+        os.kill(proc.pid, signal.SIGINT)  # ignored
+        time.sleep(2)
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        _wait_group_gone(proc)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert (f"satjax lag-sweep: SIGINT is ignored here (a background job); stop it with "
+            f"`kill {proc.pid}` (SIGTERM: the finished runs are kept)") in err, err[-3000:]
