@@ -200,10 +200,9 @@ def test_broadcast_interval_is_one_lag_schedule_within_max_lag():
         load_config(overrides=["train.broadcast_every=8"])  # max_lag 2 would drop lags 3..8
     with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be >= 0"):
         load_config(overrides=["train.broadcast_every=-1"])
-    with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be 0 with "
-                                          r"train\.mismatch_target"):
-        load_config(overrides=["train.max_lag=4", "train.broadcast_every=4",
-                               "train.mismatch_target=0.1"])
+    # the measured mismatch may bound the broadcast's lag (lag_schedule.served_version)
+    load_config(overrides=["train.max_lag=4", "train.broadcast_every=4",
+                           "train.mismatch_target=0.1"])
     with pytest.raises(ConfigError, match=r"'train\.broadcast_every': must be 0 with "
                                           r"rollout\.partial"):
         load_config(overrides=["train.max_lag=4", "train.broadcast_every=4",

@@ -282,9 +282,9 @@ def run_one(spec: RunSpec, cfg, out: str, eval_every: int, key: str,
             # the newest multiple of `lag` before this version); under
             # train.mismatch_target, at most the lag its controller admits now
             version = trainer.policy_version
-            served = served_version(version, cfg.train)
+            served = served_version(version, cfg.train, trainer.lag_limit)
             assert served is not None, "a sweep run sets exact_lag or broadcast_every"
-            lag = min(trainer.lag_limit, version - served)
+            lag = version - served
             engine.set_model(nnx.merge(*history[-1 - lag]), version - lag)
             trajectories = sampler.sample(
                 _next_version(engine, history, lag) if cfg.rollout.partial else None)

@@ -26,13 +26,25 @@ from __future__ import annotations
 from satjax.config import TrainConfig
 
 
-def served_version(version: int, t: TrainConfig) -> int | None:
+def served_version(version: int, t: TrainConfig, limit: int | None = None) -> int | None:
     """The version that generates the batch trained at trainer version ``version`` (the
     one workers are pointed at once ``version`` is published); None when workers run free
-    (follow the newest version)."""
+    (follow the newest version).
+
+    ``limit``: the lag the queue admits now (``Trainer.lag_limit``, lowered by
+    ``train.mismatch_target``'s controller). A scheduled version older than that is moved
+    up to ``version - limit``: the measured mismatch overrides the schedule, and no batch is
+    sampled by a version the queue would drop.
+
+    >>> t = TrainConfig(broadcast_every=4, max_lag=4)
+    >>> [served_version(k, t) for k in range(7)], [served_version(k, t, 1) for k in range(7)]
+    ([0, 0, 0, 0, 0, 4, 4], [0, 0, 1, 2, 3, 4, 5])
+    """
     if t.broadcast_every > 0:
-        return max(0, t.broadcast_every * ((version - 1) // t.broadcast_every))
-    if t.exact_lag >= 0:
-        return max(0, version - t.exact_lag)
-    return None
+        scheduled = max(0, t.broadcast_every * ((version - 1) // t.broadcast_every))
+    elif t.exact_lag >= 0:
+        scheduled = max(0, version - t.exact_lag)
+    else:
+        return None
+    return scheduled if limit is None else max(scheduled, version - limit)
 

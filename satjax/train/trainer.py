@@ -144,7 +144,8 @@ class Trainer:
         v = self.policy_version
         # the policy given to __init__; TrainState holds any nnx.Module
         model = cast(Qwen3MoeForCausalLM, self.train_state().model)
-        self.publisher.publish(model, v, target_version=served_version(v, self.cfg.train))
+        self.publisher.publish(model, v, target_version=served_version(v, self.cfg.train,
+                                                                      self.lag_limit))
 
     def wait_published(self) -> None:
         """Blocks until the last :meth:`publish` is visible to workers; raises its error."""

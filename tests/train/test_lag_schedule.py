@@ -87,3 +87,34 @@ def test_trainer_points_workers_at_the_broadcast_versions(tmp_path):
         trainer.close()
     assert wanted == [served_version(v, cfg.train) for v in range(10)]
     assert wanted == [0, 0, 0, 0, 0, 4, 4, 4, 4, 8]
+
+
+def test_a_lowered_lag_limit_moves_the_broadcast_target_up(tmp_path):
+    """``train.mismatch_target`` with a broadcast interval: while the controller admits a
+    lag below the schedule's, the trainer points the workers at ``version - limit`` (the
+    queue would drop the scheduled version's batches); back at ``max_lag``, the schedule."""
+    from satjax.app.factory import build_model, build_tokenizer
+    from satjax.config import load_config
+    from satjax.train.trainer import Trainer
+    from satjax.weight_sync import WeightSubscriber
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "train.broadcast_every=4",
+                             "train.max_lag=4", "train.keyframe_every=1",
+                             "train.mismatch_target=0.001", "train.mesh={data: 1}"])
+    tok = build_tokenizer(cfg)
+    trainer = Trainer(cfg, build_model(cfg, tok), tok)
+    sub = WeightSubscriber(trainer.dirs.weights)
+    limits = [4, 4, 4, 1, 1, 1, 0, 4, 4, 4]  # the controller's decisions, set by hand
+    wanted = []
+    try:
+        for v, limit in enumerate(limits):
+            trainer.lag_controller.limit = limit
+            trainer.state["policy_version"][...] = v
+            trainer.publish()
+            trainer.wait_published()
+            wanted.append(sub.wanted_version())
+    finally:
+        trainer.close()
+    # schedule 0 0 0 0 0 4 4 4 4 8; at v 3..5 the limit 1 moves it to v - 1, at v 6 to v
+    assert wanted == [0, 0, 0, 2, 3, 4, 6, 4, 4, 8]
+    assert wanted == [served_version(v, cfg.train, lim) for v, lim in enumerate(limits)]
