@@ -9,7 +9,8 @@ Statistics (every one over seeds; a run is one seed of one objective at one lag)
   bootstrap interval (seeds resampled with replacement, the same seeds for both, 10,000
   resamples, percentile interval), so a shared seed's luck cancels;
 * a collapsed run: its training reward (10-step trailing mean) ends below half its peak,
-  i.e. it fell that far and did not recover by the last step.
+  i.e. it fell that far and did not recover by the last step; its step of collapse is the
+  first step from which that mean stays below half the peak.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ BOOTSTRAP_RESAMPLES = 10_000
 # largest lag (mean over steps and seeds), or there is nothing for it to change
 MECHANISM_MIN_NEWLY_CLIPPED = 0.02
 CSV_COLUMNS = ("variant", "lag", "seed", "steps", "k", "final_avg_at_k", "seconds",
-               "reward_peak", "reward_final", "collapsed")
+               "reward_peak", "reward_final", "collapsed", "collapse_step")
 # SAT's own per-step statistics, tabulated per lag for every objective that logs them: the
 # gate q, the realised gate rate, the mean factor min(c+, c-) on gated units (a derived
 # metric, DERIVED), the newly clipped share and the mean contracted radii
@@ -93,12 +94,24 @@ def smooth(ys: list[float] | np.ndarray, window: int = SMOOTH_WINDOW) -> np.ndar
 
 
 def collapse_stats(rewards: list[float]) -> dict[str, Any]:
-    """Peak and final smoothed training reward and whether the run collapsed: its final
-    smoothed reward is below ``COLLAPSE_FRACTION`` of its peak."""
+    """Peak and final smoothed training reward, whether the run collapsed (its final
+    smoothed reward is below ``COLLAPSE_FRACTION`` of its peak) and the step of the
+    collapse: the first step (1-based) from which the smoothed reward stays below that
+    level to the end (None if the run did not collapse).
+
+    >>> c = collapse_stats([1.0] * 20 + [0.0] * 20)
+    >>> c["collapsed"], c["collapse_step"]  # the 10-step mean falls under 0.5 at step 26
+    (True, 26)
+    """
     s = smooth(rewards)
     peak, final = float(s.max()), float(s[-1])
-    return {"reward_peak": peak, "reward_final": final,
-            "collapsed": bool(peak > 0 and final < COLLAPSE_FRACTION * peak)}
+    collapsed = bool(peak > 0 and final < COLLAPSE_FRACTION * peak)
+    step = None
+    if collapsed:
+        above = np.flatnonzero(s >= COLLAPSE_FRACTION * peak)  # the peak is among them
+        step = int(above[-1]) + 2  # the step after the last one at or above the level
+    return {"reward_peak": peak, "reward_final": final, "collapsed": collapsed,
+            "collapse_step": step}
 
 
 def _fmt_ci(m: float, h: float) -> str:
@@ -140,7 +153,8 @@ def write_csv_table_plots(results: list[dict[str, Any]], out: Path, lags: list[i
         c = collapse_stats(r["rewards"])
         rows.append([r["variant"], r["lag"], r["seed"], r["steps"], r["k"],
                      f"{r['final_avg_at_k']:.4f}", f"{r['seconds']:.1f}",
-                     f"{c['reward_peak']:.4f}", f"{c['reward_final']:.4f}", int(c["collapsed"])])
+                     f"{c['reward_peak']:.4f}", f"{c['reward_final']:.4f}", int(c["collapsed"]),
+                     "" if c["collapse_step"] is None else c["collapse_step"]])
     lines = [",".join(CSV_COLUMNS)] + [",".join(str(x) for x in row) for row in rows]
     atomic_write(out / "results.csv", "\n".join(lines) + "\n")
     metrics = run_metrics(results, out)  # read once: the diagnostics table and the plots
@@ -173,19 +187,29 @@ def results_markdown(results: list[dict[str, Any]], lags: list[int],
     text += ["", *versus_gspo_markdown(results, lags)]
     for hi in [lag for lag in lags if lag != lo]:
         text += ["", *drop_markdown(results, lo, hi)]
-    n_collapsed: dict[tuple[str, int], int] = defaultdict(int)
+    steps: dict[tuple[str, int], list[int]] = defaultdict(list)  # of the collapsed runs
     n_runs: dict[tuple[str, int], int] = defaultdict(int)
     for r in results:
         n_runs[(r["variant"], r["lag"])] += 1
-        n_collapsed[(r["variant"], r["lag"])] += collapse_stats(r["rewards"])["collapsed"]
+        step = collapse_stats(r["rewards"])["collapse_step"]
+        if step is not None:
+            steps[(r["variant"], r["lag"])].append(step)
+
+    def cell(v: str, lag: int) -> str:
+        if not n_runs[(v, lag)]:
+            return "—"  # not run (per-variant --lags-of / --seeds-of)
+        at = sorted(steps[(v, lag)])
+        return f"{len(at)}/{n_runs[(v, lag)]}" + (
+            f" (step {', '.join(map(str, at))})" if at else "")
+
     text += ["", f"Collapsed runs (training reward, {SMOOTH_WINDOW}-step mean, ends below "
-             f"{COLLAPSE_FRACTION:g} x its peak), of the runs in each cell:", "",
+             f"{COLLAPSE_FRACTION:g} x its peak), of the runs in each cell, with the step "
+             "from which each stays below that level:", "",
              "| objective | " + " | ".join(f"lag {lag}" for lag in lags) + " | total |",
              "|---" * (len(lags) + 2) + "|"]
     for v in variants:
-        cells = [f"{n_collapsed[(v, lag)]}/{n_runs[(v, lag)]}" for lag in lags]
-        total = sum(n_collapsed[(v, lag)] for lag in lags)
-        text.append(f"| {v} | " + " | ".join(cells) + f" | {total} |")
+        total = sum(len(steps[(v, lag)]) for lag in lags)
+        text.append(f"| {v} | " + " | ".join(cell(v, lag) for lag in lags) + f" | {total} |")
     return "\n".join(text) + "\n"
 
 

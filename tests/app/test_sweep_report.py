@@ -41,7 +41,10 @@ def test_collapse_means_below_half_the_peak_at_the_end():
     c = sr.collapse_stats(up_down)
     assert c["collapsed"] and c["reward_peak"] == pytest.approx(0.8)
     assert c["reward_final"] == pytest.approx(0.1)
+    # the 10-step mean is 0.45 at step 45 (5 steps at 0.8), 0.38 from step 46 on
+    assert c["collapse_step"] == 46
     assert not sr.collapse_stats(dip_recover)["collapsed"]
+    assert sr.collapse_stats(dip_recover)["collapse_step"] is None
     assert not sr.collapse_stats([0.0] * 20)["collapsed"]
     np.testing.assert_allclose(sr.smooth([1, 2, 3, 4], window=2), [1, 1.5, 2.5, 3.5])
 
@@ -82,7 +85,10 @@ def test_markdown_report_has_cells_drops_and_collapses():
     assert "| gspo | 0.650 ± 0.124 | 0.350 ± 0.124 |" in text
     assert "| gspo | +0.300 [+0.300, +0.300] | — |" in text
     assert "| sat_gspo | +0.020 [+0.020, +0.020] | -0.280 [-0.280, -0.280] (separates) |" in text
-    assert "| sat_gspo | 0/3 | 3/3 | 3 |" in text
+    assert "| sat_gspo | 0/3 | 3/3 (step 26, 26, 26) | 3 |" in text
+    # a cell the sweep did not run
+    text = sr.results_markdown(results + _results("gspo", 16, [0.2]), [1, 8, 16], 0.5)
+    assert "| sat_gspo | 0/3 | 3/3 (step 26, 26, 26) | — | 3 |" in text
 
 
 def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
