@@ -411,9 +411,9 @@ def test_routes_on_prefix_cache_hits_are_the_served_weights(served, monkeypatch)
         comps, cached = _generate_counting_cache(engine, monkeypatch, [prompt] * group,
                                                  sampling, seed=20 + i)
         print(f"\nv{v} group of {group}: cached prompt tokens {cached}")
-        # after the load's reset the first request computes the block; the others find it
-        # (in the same step or later)
-        assert cached == [0] + [BLOCK] * (group - 1), cached
+        # after the load's reset one request computes the block (whichever vLLM scheduled
+        # first: under load not always the first sent); the others find it
+        assert sorted(cached) == [0] + [BLOCK] * (group - 1), cached
         check(m, comps, cached, f"group, model {i}")
         # a later call: every request hits, for the same prompt and for one that shares
         # only the first block
