@@ -32,7 +32,8 @@ def test_lag_sweep_writes_report_and_resumes_without_rerunning(tmp_path):
     assert r.stdout.startswith("versions: python ")
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert tuple(rows[0]) == ("variant", "lag", "seed", "steps", "k", "final_avg_at_k",
-                              "seconds", "reward_peak", "reward_final", "collapsed")
+                              "seconds", "reward_peak", "reward_final", "collapsed",
+                              "collapse_step")
     assert sorted((row["variant"], row["lag"], row["seed"]) for row in rows) == sorted(
         (v, lag, s) for v in ("gspo", "sat_grpo_r3") for lag in "02" for s in "01")
     assert all(0.0 <= float(row["final_avg_at_k"]) <= 1.0 for row in rows)
