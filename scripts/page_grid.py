@@ -10,11 +10,16 @@ numbers, so what a sweep can test are the page's *claims*, each a difference or 
 1. each row against GSPO at lag 1 and at lag 8 (above, below);
 2. each SAT row against its own base (SAT-GSPO+R3 against GSPO+R3, ...) at both lags;
 3. each row's drop from lag 1 to lag 8;
-4. which rows collapse at lag 8 (the page: GRPO and GSPO).
+4. which rows collapse at lag 8 (the page: GRPO and GSPO);
+5. its Result 3.4.2: every row's training-inference mismatch d-bar (mean |log pi - log mu|
+   over active tokens) is larger at lag 8 than at lag 1, and how the rows rank by it at 8.
 
 The sweep's figure for 1-2 is the mean difference of final avg@k paired by seed with a
 paired bootstrap 95% interval, for 3 the mean drop with a 95% t interval
-(:mod:`satjax.app.sweep_report`), for 4 the collapsed runs and their steps. A page
+(:mod:`satjax.app.sweep_report`), for 4 the collapsed runs and their steps, for 5 each
+run's d-bar over its last quarter of steps (the page: its last epoch), the lag-8 minus
+lag-1 difference paired by seed with a t interval, and the rank correlation of the rows'
+lag-8 means with the page's. A page
 difference smaller than ``--tie`` points (single runs: the page attaches no interval) is
 read as no claim. Verdicts: ``reproduces`` (the interval excludes 0 on the page's side),
 ``reversed`` (it excludes 0 on the other side), ``not separated`` (it contains 0),
@@ -43,6 +48,29 @@ PAGE_FILE = "page_grid.json"
 SAT_PAIRS = (("sat_grpo", "grpo"), ("sat_gspo", "gspo"), ("sat_grpo_r3", "grpo_r3"),
              ("sat_gspo_r3", "gspo_r3"))
 Scores = dict[tuple[str, int], dict[int, float]]  # (variant, lag) -> {seed: final avg@k}
+TRAILING = 0.25  # d-bar over a run's last quarter of steps (the page: its last epoch)
+
+
+def trailing_mismatch(rows: list[dict[str, Any]], frac: float = TRAILING) -> float | None:
+    """A run's mean d-bar (``mismatch_abs_mean``) over its last ``frac`` of logged steps.
+
+    >>> trailing_mismatch([{"mismatch_abs_mean": x} for x in (9.0, 9.0, 9.0, 1.0)])
+    1.0
+    """
+    xs = [float(r["mismatch_abs_mean"]) for r in rows if "mismatch_abs_mean" in r]
+    if not xs:
+        return None
+    return float(np.mean(xs[-max(1, int(np.ceil(frac * len(xs)))):]))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (no ties expected).
+
+    >>> round(spearman([1, 2, 3, 4], [10, 30, 20, 40]), 6), spearman([1, 2, 3], [3, 2, 1])
+    (0.8, -1.0)
+    """
+    ra, rb = (np.argsort(np.argsort(x)).astype(np.float64) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def design(sweep: dict[str, Any]) -> list[RunSpec]:
@@ -53,7 +81,8 @@ def design(sweep: dict[str, Any]) -> list[RunSpec]:
 
 
 def load_results(out: Path) -> list[dict[str, Any]]:
-    """The finished results of the sweep's design; refuses while any run is unfinished."""
+    """The finished results of the sweep's design, each with its trailing d-bar
+    (``d_bar``); refuses while any run is unfinished."""
     sweep_path = out / "sweep.json"
     if not sweep_path.is_file():
         raise SystemExit(f"page_grid: {sweep_path} not found (not a lag sweep's --out?)")
@@ -63,7 +92,8 @@ def load_results(out: Path) -> list[dict[str, Any]]:
         raise SystemExit(f"page_grid: {len(missing)} of the {len(specs)} runs of {out}'s "
                          f"design have not finished (e.g. {missing[0]}); the scores are "
                          f"read only once all have")
-    return [json.loads(s.result_path(out).read_text()) for s in specs]
+    return [{**json.loads(s.result_path(out).read_text()),
+             "d_bar": trailing_mismatch(s.read_metrics(out))} for s in specs]
 
 
 def claim(page_value: float, lo: float, hi: float, tie: float) -> str:
@@ -160,12 +190,54 @@ def report(results: list[dict[str, Any]], page: dict[str, Any], tie: float,
         here = f"{len(at)}/{len(steps)}" + (f" ({', '.join(map(str, at))})" if at else "")
         text.append(f"| {page_row['label']} | {page_drop:+.2f} | {drop[0]} | {drop[1]} | "
                     f"{'yes' if page_collapsed else 'no'} | {here} | {collapse_verdict} |")
+    text += ["", *_mismatch_markdown(results, page, lags)]
     counts: dict[str, int] = defaultdict(int)
     for p in points:
         counts[p["verdict"]] += 1
     text += ["", "Verdicts of the differences (tables 1 and 2): " + ", ".join(
         f"{k} {n}" for k, n in sorted(counts.items())) + "."]
     return "\n".join(text) + "\n", points
+
+
+def _mismatch_markdown(results: list[dict[str, Any]], page: dict[str, Any],
+                       lags: list[int]) -> list[str]:
+    """Table 5: d-bar per row at both lags, its rise paired by seed, the rank correlation."""
+    lo, hi = lags[0], lags[-1]
+    d: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    for r in results:
+        if r.get("d_bar") is not None:
+            d[(r["variant"], r["lag"])][r["seed"]] = r["d_bar"]
+    text = [f"**5. Mismatch d-bar** (mean |log pi - log mu| over active tokens; the page: "
+            f"{page.get('d_bar_source', 'its Result 3.4.2')}; here: each run's last "
+            f"{TRAILING:.0%} of steps, mean ± 95% t interval over seeds)", "",
+            f"| row | page lag {lo} | page lag {hi} | here lag {lo} | here lag {hi} | "
+            f"here: rise {lo} -> {hi} (paired) | verdict (page: rises) |",
+            "|---|---|---|---|---|---|---|"]
+    ranked: list[tuple[float, float]] = []
+    for v, row in page["rows"].items():
+        if "d_bar" not in row or not (d.get((v, lo)) or d.get((v, hi))):
+            continue
+        cells = []
+        for lag in (lo, hi):
+            m, h = mean_ci(list(d.get((v, lag), {}).values()))
+            cells.append("—" if np.isnan(m) else f"{m:.4f}" + ("" if np.isnan(h) else
+                                                                f" ± {h:.4f}"))
+        seeds = sorted(set(d.get((v, lo), {})) & set(d.get((v, hi), {})))
+        rise = [d[(v, hi)][s] - d[(v, lo)][s] for s in seeds]
+        m, h = mean_ci(rise)
+        page_rise = row["d_bar"][-1] - row["d_bar"][0]
+        verdict = "—" if len(rise) < 2 else claim(page_rise, m - h, m + h, 0.0)
+        if d.get((v, hi)):
+            ranked.append((row["d_bar"][-1], float(np.mean(list(d[(v, hi)].values())))))
+        text.append(f"| {row['label']} | {row['d_bar'][0]:.4f} | {row['d_bar'][-1]:.4f} | "
+                    f"{cells[0]} | {cells[1]} | "
+                    + ("—" if len(rise) < 2 else f"{m:+.4f} ± {h:.4f} (n={len(rise)})")
+                    + f" | {verdict} |")
+    if len(ranked) >= 3:
+        rho = spearman([p for p, _ in ranked], [o for _, o in ranked])
+        text += ["", f"Rank correlation (Spearman) of the rows' lag-{hi} d-bar, the page's "
+                 f"against this sweep's means: {rho:+.2f} over {len(ranked)} rows."]
+    return text
 
 
 def plot(points: list[dict[str, Any]], lags: list[int], tie: float, path: Path) -> None:

@@ -34,6 +34,13 @@ def _sweep(out: Path, offsets: dict[tuple[str, int], float], collapsing=()) -> N
             spec = RunSpec(v, lag, s, "broadcast")
             spec.run_dir(out).mkdir(parents=True)
             rewards = [0.8] * 60 + ([0.1] * 60 if (v, lag) in collapsing else [0.8] * 60)
+            # d-bar over 8 logged steps: 0.01 early, then the row's level (higher at 8 but
+            # for sat_gspo_r3, whose mismatch does not rise)
+            level = 0.004 + (0.004 if lag == 8 and v != "sat_gspo_r3" else 0.0) + 0.0002 * s
+            (spec.run_dir(out) / "logs").mkdir()
+            (spec.run_dir(out) / "logs" / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": i + 1, "mismatch_abs_mean": 0.01 if i < 6 else level})
+                + "\n" for i in range(8)))
             spec.result_path(out).write_text(json.dumps({
                 "variant": v, "lag": lag, "seed": s, "lag_mode": "broadcast",
                 "final_avg_at_k": 0.7 + offset + luck[s] + 0.01 * (-1) ** s * (
@@ -57,13 +64,21 @@ def test_the_verdicts_follow_the_sign_and_the_interval(tmp_path):
     assert verdict[("sat_gspo_r3", "gspo_r3", 8)] == "reproduces"  # SAT against its base
     assert ("sat_grpo", "grpo", 1) not in verdict  # rows the sweep did not run
     # the drop table: GSPO's drop of 0.05 (the page's +0.79); its collapse at 8 reproduces
-    # (the drop table's line: the last of the row's lines)
-    gspo = [line for line in text.splitlines() if line.startswith("| GSPO |")][-1].split(" | ")
+    # (the drop table's line; the d-bar table's comes after it)
+    gspo = [line for line in text.splitlines() if line.startswith("| GSPO |")][-2].split(" | ")
     assert gspo[1] == "+0.79" and abs(float(gspo[2].split(" ± ")[0]) - 0.05) < 0.005, gspo
     assert gspo[3] == "reproduces"
     assert gspo[4:] == ["yes", "6/6 (66, 66, 66, 66, 66, 66)", "reproduces |"], gspo
-    sat_line = [line for line in text.splitlines() if line.startswith("| SAT-GSPO w/ R3 |")][-1]
+    sat_line = [line for line in text.splitlines() if line.startswith("| SAT-GSPO w/ R3 |")][-2]
     assert "| no | 0/6 | consistent |" in sat_line
+    # d-bar over the last quarter of steps: GSPO's rises by 0.004 at 8 (the page: it rises),
+    # SAT-GSPO+R3's does not (a rise of exactly 0: its interval contains 0)
+    dbar = [line for line in text.splitlines() if line.startswith("| GSPO |")][-1]
+    assert dbar.startswith("| GSPO | 0.0097 | 0.0109 | 0.0045 ± 0.0004 | 0.0085 ± 0.0004 | "
+                           "+0.0040 ± 0.0000 (n=6) | reproduces |"), dbar
+    sat = [line for line in text.splitlines() if line.startswith("| SAT-GSPO w/ R3 |")][-1]
+    assert sat.endswith("| +0.0000 ± 0.0000 (n=6) | not separated |"), sat
+    assert "against this sweep's means: +0.40 over 4 rows" in text
 
 
 def test_it_reads_no_score_before_every_run_has_finished(tmp_path):
