@@ -559,11 +559,12 @@ def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, A
     fig.savefig(out / "tail_and_flips_vs_lag.png", dpi=120)
     plt.close(fig)
 
-    # 4. per-step staleness diagnostics at the smallest and the largest lag
+    # 4. per-step staleness diagnostics at each lag (at most three: the smallest and the
+    # largest when more)
     names = (("mismatch_abs_mean", "d-bar: mean |log pi - log mu|"),
              ("token_extreme_frac", "F(log 2): tokens with |d| > log 2"),
              ("kl_k3", "k3 KL(behaviour || current)"), ("grad_norm", "gradient norm"))
-    edge = sorted({min(lags), max(lags)})
+    edge = sorted(set(lags)) if len(set(lags)) <= 3 else [min(lags), max(lags)]
     fig, axes = plt.subplots(len(edge), len(names), figsize=(15, 3.2 * len(edge)),
                              squeeze=False)
     for row, lag in zip(axes, edge, strict=True):
