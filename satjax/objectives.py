@@ -212,6 +212,12 @@ def dppo_tv(**hp: Any) -> Objective:
     return make("dppo_tv", **hp)
 
 
+def dppo_tv_clip(**hp: Any) -> Objective:
+    """DPPO-Binary-TV as the SAT page's grid runs it (GRPO's clip times the TV mask); see
+    :func:`satjax.losses.dppo_tv_clip_loss`."""
+    return make("dppo_tv_clip", **hp)
+
+
 def dppo_kl(**hp: Any) -> Objective:
     """DPPO-Binary-KL; see :func:`satjax.losses.dppo_kl_loss`."""
     return make("dppo_kl", **hp)

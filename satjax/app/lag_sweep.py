@@ -58,8 +58,9 @@ from satjax.utils import atomic_write, code_commit, die_with_parent, versions_li
 
 # The SAT paper's grid, each row's objective hyperparameters over the objective's defaults
 # (radii (0.2, 0.2) for GRPO, GSPO and their SAT variants alike): TIS truncates the
-# importance weight against the rollout engine's log-probs at 2 (token level); DPPO-TV runs
-# at delta 1e-3 (its own default is the DPPO paper's 0.15).
+# importance weight against the rollout engine's log-probs at 2 (token level); the grid's
+# DPPO is GRPO's clip times the DPPO-TV mask at delta 1e-3 (dppo_tv_clip's default; the
+# mask-only dppo_tv, the DPPO paper's, is run at the same delta as a row of ours).
 _TIS = {"is_correction": "tis", "is_threshold": 2.0}
 _DPPO_DELTA = {"delta_low": 1e-3, "delta_high": 1e-3}
 
@@ -68,7 +69,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # clip radius is sequence-level (GSPO family: --seq-eps applies), optional "hparams"
     # (over the objective's defaults, under --seq-eps and every --set), optional "bounded"
     # (the lag bounded by measured mismatch). First the SAT paper's 13 rows (PAPER_VARIANTS),
-    # then PPO-clip and two of satjax's own: gate replay and the mismatch-bounded lag.
+    # then PPO-clip, DPPO-TV as its paper defines it, and two of satjax's own: gate replay
+    # and the mismatch-bounded lag.
     # SAT-GRPO is `sat_grpo`: GRPO's token ratios and reduction (each sequence's mean, then
     # the mean over sequences) with SAT's per-token interval; `sat_ppo` is the same clip with
     # PPO's token mean over the batch (equal only where every answer has the same length).
@@ -84,14 +86,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     "hparams": _TIS},
     "gspo_tis_r3": {"objective": "gspo", "replay": "experts", "sequence_level": True,
                     "hparams": _TIS},
-    # DPPO-Binary-TV: no ratio clip (--seq-eps does not apply), tokens dropped by p - q
-    "dppo_tv": {"objective": "dppo_tv", "replay": "off", "sequence_level": False,
-                "hparams": _DPPO_DELTA},
+    # the page's DPPO: GRPO's token clip, times DPPO-TV's mask on p - q
+    "dppo_tv_clip": {"objective": "dppo_tv_clip", "replay": "off", "sequence_level": False,
+                     "hparams": _DPPO_DELTA},
     "sat_grpo": {"objective": "sat_grpo", "replay": "off", "sequence_level": False},
     "sat_gspo": {"objective": "sat_gspo", "replay": "off", "sequence_level": True},
     "sat_grpo_r3": {"objective": "sat_grpo", "replay": "experts", "sequence_level": False},
     "sat_gspo_r3": {"objective": "sat_gspo", "replay": "experts", "sequence_level": True},
     "ppo_clip": {"objective": "ppo_clip", "replay": "off", "sequence_level": False},
+    # DPPO-Binary-TV as its paper, verl and Stable-RL define it: the mask instead of a ratio
+    # clip (--seq-eps does not apply), tokens dropped by p - q
+    "dppo_tv": {"objective": "dppo_tv", "replay": "off", "sequence_level": False,
+                "hparams": _DPPO_DELTA},
     # SAT-GSPO replaying the engine's experts and gate weights (train.replay=gates)
     "sat_gspo_gates": {"objective": "sat_gspo", "replay": "gates", "sequence_level": True},
     # GSPO whose lag is lowered while the measured mismatch is over train.mismatch_target
@@ -102,7 +108,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 # The SAT paper's comparison grid, in its order: `--variants paper`
 PAPER_VARIANTS: tuple[str, ...] = (
     "grpo", "gspo", "grpo_r3", "gspo_r3", "grpo_tis", "gspo_tis", "grpo_tis_r3",
-    "gspo_tis_r3", "dppo_tv", "sat_grpo", "sat_gspo", "sat_grpo_r3", "sat_gspo_r3")
+    "gspo_tis_r3", "dppo_tv_clip", "sat_grpo", "sat_gspo", "sat_grpo_r3", "sat_gspo_r3")
 SELECTION_VARIANT = "gspo"  # the settings are chosen with this objective's scores alone
 # ... and one mechanism check that reads no score: this objective's newly clipped share at
 # the largest lag (sweep_report.MECHANISM_MIN_NEWLY_CLIPPED)

@@ -4,7 +4,8 @@ One module per family, everything re-exported here (``satjax.losses.X``):
 
 * :mod:`~satjax.losses.policy_gradient`: ``ppo_clip_loss``, ``grpo_loss``, ``gspo_loss``,
   ``gspo_token_loss``, ``sat_ppo_loss``, ``sat_grpo_loss``, ``sat_gspo_loss``,
-  ``dppo_tv_loss``, ``dppo_kl_loss``, ``clipped_surrogate``, ``AUX_KEYS``;
+  ``dppo_tv_loss``, ``dppo_tv_clip_loss``, ``dppo_kl_loss``, ``clipped_surrogate``,
+  ``AUX_KEYS``;
 * :mod:`~satjax.losses.sat`: ``sat_interval`` (the authors' kernel; our smooth and gauss
   variants);
 * :mod:`~satjax.losses.corrections`: ``tis_weights``, ``mis_mask``;
@@ -35,6 +36,7 @@ from satjax.losses.hparams import (
     ClipHParams,
     DppoHParams,
     DppoKlHParams,
+    DppoTvClipHParams,
     DppoTvHParams,
     GroupAdvantageHParams,
     GrpoHParams,
@@ -53,6 +55,7 @@ from satjax.losses.policy_gradient import (
     AUX_KEYS,
     clipped_surrogate,
     dppo_kl_loss,
+    dppo_tv_clip_loss,
     dppo_tv_loss,
     grpo_loss,
     gspo_loss,
@@ -76,11 +79,13 @@ from satjax.losses.sat import sat_interval
 __all__ = [
     "AUX_KEYS", "IS_CORRECTIONS", "KL_ESTIMATORS", "KL_LEVELS", "IS_LEVELS", "KERNELS",
     "OBJECTIVES", "PROXIES", "SCALES", "SCOPES",
-    "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvHParams", "GroupAdvantageHParams",
+    "ClipHParams", "DppoHParams", "DppoKlHParams", "DppoTvClipHParams", "DppoTvHParams",
+    "GroupAdvantageHParams",
     "GrpoHParams", "GspoHParams", "GspoTokenHParams", "HParams", "PpoClipHParams",
     "SatGrpoHParams", "SatGspoHParams", "SatKernelHParams", "SatPpoHParams", "SequenceClipHParams",
     "TokenClipHParams",
-    "clipped_surrogate", "dppo_kl_loss", "dppo_tv_loss", "group_advantages", "grpo_loss",
+    "clipped_surrogate", "dppo_kl_loss", "dppo_tv_clip_loss", "dppo_tv_loss",
+    "group_advantages", "grpo_loss",
     "gspo_loss", "gspo_token_loss", "kl_penalty", "masked_mean", "masked_quantile", "mis_mask",
     "ppo_clip_loss", "reference_kl", "sat_grpo_loss", "sat_gspo_loss", "sat_interval",
     "sat_ppo_loss", "sequence_kl_penalty", "tis_weights",

@@ -272,6 +272,15 @@ class DppoTvHParams(DppoHParams):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DppoTvClipHParams(TokenClipHParams):
+    """:func:`~satjax.losses.dppo_tv_clip_loss`, DPPO-TV as the SAT page's grid runs it:
+    GRPO's clip radii and DPPO-TV's thresholds on ``p - q``, at the grid's 1e-3."""
+
+    delta_low: float = 1e-3
+    delta_high: float = 1e-3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DppoKlHParams(DppoHParams):
     """DPPO-Binary-KL: thresholds on the binary KL ``KL(Bern(q) || Bern(p))`` (default 0.05)."""
 

@@ -49,6 +49,7 @@ from satjax.losses.hparams import (
     STATIC_NUMBERS,
     DppoHParams,
     DppoKlHParams,
+    DppoTvClipHParams,
     DppoTvHParams,
     GrpoHParams,
     GspoHParams,
@@ -846,6 +847,67 @@ def dppo_tv_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array, m
     tv = jax.lax.stop_gradient(jnp.exp(p.lp) - jnp.exp(p.ref))  # p - q
     return _dppo(p, tv < -jnp.asarray(delta_low, dt), tv > jnp.asarray(delta_high, dt),
                  ratio_cap)
+
+
+@register("dppo_tv_clip", DppoTvClipHParams)
+@_jit_loss
+def dppo_tv_clip_loss(logprobs: Array, behavior_logprobs: Array, advantages: Array,
+                      mask: Array, *, eps_low: float, eps_high: float,
+                      delta_low: float = DppoTvClipHParams.delta_low,
+                      delta_high: float = DppoTvClipHParams.delta_high,
+                      clip_ratio_c: float | None = TokenClipHParams.clip_ratio_c,
+                      old_logprobs: Array | None = None,
+                      token_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
+    """DPPO-Binary-TV as the SAT authors' grid runs it: GRPO's clipped surrogate times
+    DPPO-TV's {0, 1} mask.
+
+    ``J_{i,t}`` is :func:`grpo_loss`'s clipped token surrogate, set to 0 where
+    :func:`dppo_tv_loss` drops the token (``A_i > 0`` and ``p - q > delta_high``, or
+    ``A_i < 0`` and ``p - q < -delta_low``: the sampled token's probability moved outward
+    too far); loss = ``-mean_i (sum_t J_{i,t} / |o_i|)``, GRPO's reduction. Unlike
+    :func:`dppo_tv_loss` (the DPPO paper's, verl's and Stable-RL's: the mask instead of the
+    clip, a token mean over the batch) both the clip and the mask act. ``clip_frac_low`` /
+    ``clip_frac_high`` count the tokens whose gradient either removes.
+
+    Shapes: ``logprobs``, ``behavior_logprobs``, ``mask`` (and ``old_logprobs``,
+    ``token_weights`` when given) [B, T]; ``advantages`` [B]; returns a scalar loss and
+    ``aux`` of scalars keyed by :data:`AUX_KEYS` (conventions: module docstring).
+
+    References:
+      The SAT authors' project page (jyyang26.github.io/stable_async_analysis, "Setup": the
+      grid's DPPO row, "the GRPO clip times a {0,1} hard mask", delta 1e-3); DPPO: Qi et al.
+      2026, arXiv:2602.04879.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from satjax import losses
+      >>> lp = jnp.array([[-1.0, -2.0], [-0.5, -9.0]])  # row 1: one valid token
+      >>> mu = jnp.array([[-1.5, -2.0], [-0.5, -9.0]])
+      >>> adv, mask = jnp.array([1.0, -1.0]), jnp.array([[1, 1], [1, 0]])
+      >>> kw = dict(eps_low=0.2, eps_high=0.2)
+      >>> # token (0, 0): r = 1.65, p - q = 0.145; under delta 0.2 it is kept and clipped
+      >>> # at 1.2 (GRPO's loss); under the default 1e-3 the mask drops it
+      >>> loss, aux = losses.dppo_tv_clip_loss(lp, mu, adv, mask, delta_high=0.2, **kw)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (-0.05, 0.3333)
+      >>> loss, aux = losses.dppo_tv_clip_loss(lp, mu, adv, mask, **kw)
+      >>> round(float(loss), 4), round(float(aux["clip_frac_high"]), 4)
+      (0.25, 0.3333)
+    """
+    p = _prepare(logprobs, behavior_logprobs, advantages, mask, old_logprobs, token_weights)
+    dt = p.lp.dtype
+    lo, hi = _ppo_bounds(p, eps_low, eps_high)
+    j, r = _token_terms(p, lo, hi, clip_ratio_c)
+    tv = jax.lax.stop_gradient(jnp.exp(p.lp) - jnp.exp(p.ref))  # p - q
+    adv = p.adv[:, None]
+    drop_low = (adv < 0) & (tv < -jnp.asarray(delta_low, dt)) & p.valid
+    drop_high = (adv > 0) & (tv > jnp.asarray(delta_high, dt)) & p.valid
+    loss = _sequence_mean_loss(jnp.where(drop_low | drop_high, 0.0, j), p)
+    ratio = jax.lax.stop_gradient(r)
+    binds = (drop_low | ((adv < 0) & (ratio < lo)), drop_high | ((adv > 0) & (ratio > hi)))
+    aux = _aux(p, ratio=ratio, units_valid=p.valid, proxy=p.d_tok, lo=lo, hi=hi,
+               eps_low=eps_low, eps_high=eps_high, sat=None, binds=binds)
+    return loss, aux
 
 
 @register("dppo_kl", DppoKlHParams)

@@ -149,6 +149,13 @@ def test_run_configs_take_every_override_and_their_key_follows_the_config():
                                 ["objective.hparams.delta_high=0.01"], "out", "warm", 7,
                                 (0.05, 0.07))
     assert dppo.objective.hparams == {"delta_low": 1e-3, "delta_high": 0.01}
+    # the grid's DPPO row: GRPO's token clip (its own radii, not --seq-eps) times the mask
+    grid_dppo = lag_sweep.run_config(RunSpec("dppo_tv_clip", 2, 0), None, [], "out", "warm",
+                                     7, (0.05, 0.07))
+    assert (grid_dppo.objective.name, grid_dppo.objective.hparams) == (
+        "dppo_tv_clip", {"delta_low": 1e-3, "delta_high": 1e-3})
+    assert "dppo_tv_clip" in lag_sweep.PAPER_VARIANTS
+    assert "dppo_tv" not in lag_sweep.PAPER_VARIANTS
     sat_grpo = lag_sweep.run_config(RunSpec("sat_grpo_r3", 2, 0), None, [], "out", "warm", 7,
                                     None)
     assert (sat_grpo.objective.name, sat_grpo.objective.hparams) == ("sat_grpo", {})

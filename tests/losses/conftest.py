@@ -59,6 +59,7 @@ def all_losses():
         "sat_ppo": (L.sat_ppo_loss, TOK_EPS),
         "sat_grpo": (L.sat_grpo_loss, TOK_EPS),
         "dppo_tv": (L.dppo_tv_loss, {}),
+        "dppo_tv_clip": (L.dppo_tv_clip_loss, TOK_EPS),
         "dppo_kl": (L.dppo_kl_loss, {}),
     }
 

@@ -1,5 +1,6 @@
-"""DPPO (Binary-TV, Binary-KL) against a float64 numpy reference written from the paper's
-definition: which tokens are dropped, the loss, its gradient and the drop fractions."""
+"""DPPO (Binary-TV, Binary-KL, and the SAT grid's TV with GRPO's clip) against float64
+numpy references written from the definitions: which tokens are dropped, the loss, its
+gradient and the drop fractions."""
 
 import jax
 import jax.numpy as jnp
@@ -90,3 +91,58 @@ def test_dppo_objectives_have_their_own_hyperparameters():
         objectives.hparams("dppo_tv", {"eps_low": 0.2})  # DPPO has no ratio clip
     with pytest.raises(ValueError, match="delta_low: must be >= 0.0"):
         objectives.dppo_kl(delta_low=-1.0)
+
+
+def _reference_tv_clip(lp, mu, adv, mask, eps_low, eps_high, delta_low, delta_high):
+    """The SAT page's DPPO row in float64: GRPO's clipped token surrogate, zeroed where the
+    TV mask drops the token, each sequence's mean then the mean over sequences. Returns
+    (loss, d loss / d lp, share of tokens without gradient with A < 0, with A > 0)."""
+    lp, mu, adv = (np.asarray(x, np.float64) for x in (lp, mu, adv))
+    m = np.asarray(mask, bool)
+    lp = np.where(m, lp, 0.0)
+    r, tv = np.exp(lp - mu), np.exp(lp) - np.exp(mu)
+    a = np.broadcast_to(adv[:, None], lp.shape)
+    clipped = np.clip(r, 1 - eps_low, 1 + eps_high)
+    j = np.minimum(r * a, clipped * a)
+    drop = m & (((a > 0) & (tv > delta_high)) | ((a < 0) & (tv < -delta_low)))
+    unclipped = r * a <= clipped * a  # the min takes r A: the token's gradient is r A
+    keep = m & ~drop
+    n_tok, rows = m.sum(1), m.any(1)
+    per_row = np.where(keep, j, 0.0).sum(1) / np.maximum(n_tok, 1)
+    loss = -per_row[rows].mean()
+    grad = -np.where(keep & unclipped, r * a, 0.0) / np.maximum(n_tok, 1)[:, None] / rows.sum()
+    binds_low = m & (a < 0) & (drop | (r < 1 - eps_low))
+    binds_high = m & (a > 0) & (drop | (r > 1 + eps_high))
+    return loss, grad, binds_low.sum() / m.sum(), binds_high.sum() / m.sum()
+
+
+@pytest.mark.parametrize("deltas", [(1e-3, 1e-3), (0.02, 0.05), (0.15, 0.15)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dppo_tv_clip_matches_the_numpy_reference(make_batch, tok_eps, deltas, seed):
+    lp, mu, a, mask = make_batch(seed, scale=0.4)
+    lo, hi = deltas
+    kw = dict(delta_low=lo, delta_high=hi, **tok_eps)
+    loss, aux = L.dppo_tv_clip_loss(lp, mu, a, mask, **kw)
+    grad = jax.grad(lambda x: L.dppo_tv_clip_loss(x, mu, a, mask, **kw)[0])(lp)
+    ref_loss, ref_grad, ref_low, ref_high = _reference_tv_clip(lp, mu, a, mask,
+                                                               tok_eps["eps_low"],
+                                                               tok_eps["eps_high"], lo, hi)
+    # float32 against float64: loss and gradient to 1e-5 relative
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-7)
+    assert float(aux["clip_frac_low"]) == pytest.approx(ref_low, abs=1e-7)
+    assert float(aux["clip_frac_high"]) == pytest.approx(ref_high, abs=1e-7)
+
+
+def test_dppo_tv_clip_is_grpo_when_the_mask_drops_nothing_and_masks_what_grpo_keeps(
+        make_batch, tok_eps):
+    lp, mu, a, mask = make_batch(4, scale=0.4)
+    wide = L.dppo_tv_clip_loss(lp, mu, a, mask, delta_low=1.0, delta_high=1.0, **tok_eps)[0]
+    assert float(wide) == float(L.grpo_loss(lp, mu, a, mask, **tok_eps)[0])
+    # the grid's 1e-3 drops tokens inside GRPO's clip band: the gradients differ there
+    g_grpo = jax.grad(lambda x: L.grpo_loss(x, mu, a, mask, **tok_eps)[0])(lp)
+    g_dppo = jax.grad(lambda x: L.dppo_tv_clip_loss(x, mu, a, mask, **tok_eps)[0])(lp)
+    r = np.exp(np.asarray(lp - mu))
+    inside = np.asarray(mask) & (r > 1 - tok_eps["eps_low"]) & (r < 1 + tok_eps["eps_high"])
+    differ = np.asarray(g_grpo != g_dppo)
+    assert differ[inside].any() and not differ[~np.asarray(mask)].any()
