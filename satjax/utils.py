@@ -138,6 +138,36 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
 
 
+# Run by the child's own interpreter, so nothing runs between fork and exec in the parent's
+# image: a ``preexec_fn`` would make Python fork (not vfork) and run the parent's at-fork
+# hooks in the child, and gRPC's (a rollout worker talks to its queue over gRPC) aborted a
+# vLLM server at start (SIGABRT, "epoll_wait error: Bad file descriptor" in its log).
+_TIED_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    sys.exit(128 + int(sys.argv[1]))  # the parent died before prctl took hold\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
+)
+
+
+def tied_to_this_process(python_argv: Sequence[str], sig: int = signal.SIGTERM) -> list[str]:
+    """The command line that runs ``python_argv`` (``[python, *args]``) with
+    :func:`die_with_parent` ``(sig)`` in force, set by the child itself before it execs.
+
+    Use it instead of ``Popen(..., preexec_fn=die_with_parent)`` in a process that runs
+    threads with at-fork hooks (gRPC's): the interpreter ``python_argv[0]`` sets
+    ``PR_SET_PDEATHSIG`` and then replaces itself with ``python_argv``.
+
+    >>> cmd = tied_to_this_process([sys.executable, "-c", "print('hi')"])
+    >>> import subprocess; subprocess.run(cmd, capture_output=True, text=True).stdout
+    'hi\\n'
+    """
+    python, *args = python_argv
+    return [python, "-c", _TIED_EXEC, str(int(sig)), str(os.getpid()), *args]
+
+
 def retain_freed_memory(pad_bytes: int = 64 << 20, mmap_bytes: int = 32 << 20) -> bool:
     """Lets glibc's malloc reuse freed memory for large buffers: allocations below
     ``mmap_bytes`` come from the heap instead of a fresh ``mmap`` each (``M_MMAP_THRESHOLD``),

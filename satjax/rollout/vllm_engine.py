@@ -43,7 +43,7 @@ import numpy as np
 
 from satjax.rollout.engine import Completion, SamplingParams, Sync
 from satjax.rollout.vllm_packing import RECORD_ENV, RouterLayout
-from satjax.utils import die_with_parent, free_port
+from satjax.utils import free_port, tied_to_this_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = "satjax.rollout.vllm_ext.WeightExt"
@@ -288,10 +288,11 @@ class VllmEngine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             # own session: close() signals the whole group (api server + engine core)
+            # a worker killed -9 must not leave it running: the server dies with the thread
             self.proc = subprocess.Popen(
-                self._command(checkpoint_dir), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                preexec_fn=die_with_parent,  # a worker killed -9 must not leave it running
+                tied_to_this_process(self._command(checkpoint_dir)), stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
