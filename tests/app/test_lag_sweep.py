@@ -290,9 +290,11 @@ def test_every_row_of_the_papers_grid_runs(tmp_path):
     assert result["hparams"] == {} and result["objective"] == "sat_gspo"  # the last row
 
 
-def _start_sweep(tmp_path, **popen):
+def _start_sweep(tmp_path, ignore_sigint=False):
     """A two-run sweep in its own session (its own process group), up to the point where
-    its pool has started the runs."""
+    its pool has started the runs; ``ignore_sigint`` starts it as a shell starts a
+    background job (``trap '' INT`` then exec, no ``preexec_fn``: the pytest process may
+    run gRPC threads, whose at-fork hooks must not run in a forked child)."""
     import time
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
@@ -300,9 +302,10 @@ def _start_sweep(tmp_path, **popen):
     cmd = [sys.executable, "-m", "satjax", "lag-sweep", "--out", str(tmp_path), "--lags", "1",
            "--seeds", "0,1", "--steps", "50", "--jobs", "2", "--variants", "gspo",
            "--set", "sft.steps=2", "--compile-cache", "none"]
+    if ignore_sigint:
+        cmd = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *cmd]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **popen)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in proc.stdout:  # the pool has started its runs
         if "in parallel" in line:
             break
@@ -353,8 +356,7 @@ def test_a_background_sweep_says_how_to_stop_it_and_sigterm_stops_its_runs(tmp_p
     import signal
     import time
 
-    proc = _start_sweep(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT,
-                                                                   signal.SIG_IGN))
+    proc = _start_sweep(tmp_path, ignore_sigint=True)
     try:
         os.kill(proc.pid, signal.SIGINT)  # ignored
         time.sleep(2)
