@@ -134,13 +134,22 @@ def _by_cell(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[int, f
     return by
 
 
-def drops(results: list[dict[str, Any]], lo: int, hi: int) -> dict[str, np.ndarray]:
-    """Per variant, [n] per-seed drops ``score(lo) - score(hi)`` over the seeds run at both."""
+def shown_lags(lags: list[int]) -> list[int]:
+    """The lags the per-lag diagnostics show: every lag when there are at most three (a
+    paper-recipe sweep's 1, 8 and 16), else the smallest and the largest."""
+    unique = sorted(set(lags))
+    return unique if len(unique) <= 3 else [unique[0], unique[-1]]
+
+
+def drops(results: list[dict[str, Any]], lo: int, hi: int) -> dict[str, dict[int, float]]:
+    """Per variant run at both lags, its per-seed drops ``{seed: score(lo) - score(hi)}``
+    over the seeds run at both."""
     by = _by_cell(results)
     out = {}
     for v in dict.fromkeys(r["variant"] for r in results):
         seeds = sorted(set(by[(v, lo)]) & set(by[(v, hi)]))
-        out[v] = np.array([by[(v, lo)][s] - by[(v, hi)][s] for s in seeds], np.float64)
+        if seeds:
+            out[v] = {s: by[(v, lo)][s] - by[(v, hi)][s] for s in seeds}
     return out
 
 
@@ -242,19 +251,23 @@ def versus_gspo_markdown(results: list[dict[str, Any]], lags: list[int]) -> list
 def drop_markdown(results: list[dict[str, Any]], lo: int, hi: int) -> list[str]:
     """The drop table from lag ``lo`` to ``hi``, with each drop's paired bootstrap
     difference from GSPO's (lines of markdown)."""
-    d = drops(results, lo, hi)
+    d = drops(results, lo, hi)  # only the objectives run at both lags
     text = [f"Drop lag {lo} -> lag {hi} (score at lag {lo} minus lag {hi}, per seed; "
-            "positive: staleness hurts), and its difference from GSPO's drop with a paired "
-            "bootstrap 95% interval (negative: degrades less than GSPO):", "",
+            "positive: staleness hurts), and its difference from GSPO's drop over the seeds "
+            "both ran with a paired bootstrap 95% interval (negative: degrades less than "
+            "GSPO):", "",
             "| objective | drop [95% t-interval] | minus GSPO's drop [95% bootstrap] |",
             "|---|---|---|"]
+    gspo = d.get("gspo", {})
     for v, dv in d.items():
-        m, h = mean_ci(dv)
+        m, h = mean_ci(list(dv.values()))
         cell = f"{m:+.3f}" if np.isnan(h) else f"{m:+.3f} [{m - h:+.3f}, {m + h:+.3f}]"
-        if v == "gspo" or "gspo" not in d or len(dv) < 2 or len(dv) != len(d["gspo"]):
+        seeds = sorted(set(dv) & set(gspo))
+        if v == "gspo" or len(seeds) < 2:
             cmp = "—"
         else:
-            cmp = _fmt_paired(dv, d["gspo"])
+            cmp = _fmt_paired(np.array([dv[s] for s in seeds]),
+                              np.array([gspo[s] for s in seeds]))
         text.append(f"| {v} | {cell} | {cmp} |")
     return text
 
@@ -274,8 +287,9 @@ def sat_markdown(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[
             "| objective | lag | q | gate rate | factor on gated | newly clipped "
             "| mean low radius | mean high radius |",
             "|---|---|---|---|---|---|---|---|"]
+    ran = {(r["variant"], r["lag"]) for r in results}
     for v in sat:
-        for lag in lags:
+        for lag in [lag for lag in lags if (v, lag) in ran]:
             c = cell[(v, lag)]
             text.append(f"| {v} | {lag} | " + " | ".join(
                 _fmt_statistic(n, float(np.mean(c[n]))) if c[n] else "—"
@@ -442,11 +456,12 @@ def run_means(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str
 
 def diagnostics_markdown(results: list[dict[str, Any]],
                          metrics: dict[RunKey, list[dict[str, Any]]], lags: list[int]) -> str:
-    """Per objective at the smallest and the largest lag, each :data:`DIAGNOSTICS` metric
+    """Per objective at each of :func:`shown_lags` it ran, each :data:`DIAGNOSTICS` metric
     averaged over a run's steps (``metrics``: :func:`run_metrics`), then over its seeds
     (``—``: none of its runs logged it)."""
-    edge = sorted({min(lags), max(lags)})
+    edge = shown_lags(lags)
     variants = list(dict.fromkeys(r["variant"] for r in results))
+    ran = {(r["variant"], r["lag"]) for r in results}
     means = run_means([r for r in results if r["lag"] in edge], metrics,
                       [name for name, _ in DIAGNOSTICS])
     text = ["Diagnostics: each per-step metric's mean over a run's steps, averaged over the "
@@ -458,7 +473,7 @@ def diagnostics_markdown(results: list[dict[str, Any]],
             "", "| objective | lag | " + " | ".join(label for _, label in DIAGNOSTICS) + " |",
             "|---" * (len(DIAGNOSTICS) + 2) + "|"]
     for v in variants:
-        for lag in edge:
+        for lag in [lag for lag in edge if (v, lag) in ran]:
             cell = means[(v, lag)]
             text.append(f"| {v} | {lag} | " + " | ".join(
                 f"{np.mean(cell[name]):.3f}" if cell[name] else "—"
@@ -559,12 +574,11 @@ def _plots(results: list[dict[str, Any]], metrics: dict[RunKey, list[dict[str, A
     fig.savefig(out / "tail_and_flips_vs_lag.png", dpi=120)
     plt.close(fig)
 
-    # 4. per-step staleness diagnostics at each lag (at most three: the smallest and the
-    # largest when more)
+    # 4. per-step staleness diagnostics at each of shown_lags
     names = (("mismatch_abs_mean", "d-bar: mean |log pi - log mu|"),
              ("token_extreme_frac", "F(log 2): tokens with |d| > log 2"),
              ("kl_k3", "k3 KL(behaviour || current)"), ("grad_norm", "gradient norm"))
-    edge = sorted(set(lags)) if len(set(lags)) <= 3 else [min(lags), max(lags)]
+    edge = shown_lags(lags)
     fig, axes = plt.subplots(len(edge), len(names), figsize=(15, 3.2 * len(edge)),
                              squeeze=False)
     for row, lag in zip(axes, edge, strict=True):

@@ -91,6 +91,24 @@ def test_markdown_report_has_cells_drops_and_collapses():
     assert "| sat_gspo | 0/3 | 3/3 (step 26, 26, 26) | — | 3 |" in text
 
 
+def test_a_drop_is_compared_with_gspos_over_the_seeds_both_ran():
+    """GSPO ran 4 seeds at lags 1 and 16, SAT-GSPO 3 of them, GRPO lag 1 only: SAT-GSPO's
+    drop is paired with GSPO's on seeds 0-2, and GRPO has no row in the 1 -> 16 table."""
+    results = (_results("gspo", 1, [0.6, 0.7, 0.65, 0.9])
+               + _results("gspo", 16, [0.3, 0.4, 0.35, 0.1])
+               + _results("sat_gspo", 1, [0.6, 0.7, 0.65])
+               + _results("sat_gspo", 16, [0.5, 0.6, 0.55])
+               + _results("grpo", 1, [0.6, 0.7, 0.65]))
+    text = sr.results_markdown(results, [1, 16], None).split("Drop lag 1 -> lag 16")[1]
+    assert "| sat_gspo | +0.100 [+0.100, +0.100] | -0.200 [-0.200, -0.200] (separates) |" in text
+    assert "| grpo |" not in text.split("Collapsed runs")[0] and "nan" not in text
+
+
+def test_diagnostics_show_every_lag_when_there_are_three():
+    assert sr.shown_lags([16, 1, 8]) == [1, 8, 16]
+    assert sr.shown_lags([1, 2, 4, 8]) == [1, 8]
+
+
 def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
     def write(variant, lag, seed, rows):
         path = RunDirs(RunSpec(variant, lag, seed).run_dir(tmp_path)).metrics
@@ -100,11 +118,15 @@ def test_diagnostics_table_averages_steps_then_seeds_at_the_edge_lags(tmp_path):
 
     write("gspo", 1, 0, [{"router_mismatch": 0.1}, {"router_mismatch": 0.3}])  # run mean 0.2
     write("gspo", 1, 1, [{"router_mismatch": 0.4, "kl_k3": "nan-as-text"}])    # run mean 0.4
-    write("gspo", 4, 0, [{"router_mismatch": 9.0}])  # a middle lag: not in the table
+    write("gspo", 4, 0, [{"router_mismatch": 9.0}])  # a middle lag of four: not shown
     write("gspo", 16, 0, [{"router_mismatch": 0.5, "kl_k3": 0.25}])
-    results = [{"variant": "gspo", "lag": lag, "seed": s}
-               for lag, s in ((1, 0), (1, 1), (4, 0), (16, 0))]
-    text = sr.diagnostics_markdown(results, sr.run_metrics(results, tmp_path), [1, 4, 16])
+    write("grpo", 1, 0, [{"router_mismatch": 0.7}])  # run at lag 1 only: one row
+    results = [{"variant": v, "lag": lag, "seed": s}
+               for v, lag, s in (("gspo", 1, 0), ("gspo", 1, 1), ("gspo", 4, 0),
+                                 ("gspo", 16, 0), ("grpo", 1, 0))]
+    text = sr.diagnostics_markdown(results, sr.run_metrics(results, tmp_path), [1, 2, 4, 16])
+    assert [line.split("|")[2].strip() for line in text.splitlines()
+            if line.startswith("| grpo")] == ["1"]
     rows = [line for line in text.splitlines() if line.startswith("| gspo")]
     assert len(rows) == 2
     lag1, lag16 = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
