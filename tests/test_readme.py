@@ -51,7 +51,7 @@ def _readme_commands() -> list[list[str]]:
     for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
-                argv = shlex.split(part)
+                argv = shlex.split(part, comments=True)  # as bash reads a # comment
                 if argv and Path(argv[0]).name == "satjax":  # `satjax` or `.venv/bin/satjax`
                     commands.append(argv[1:])
     return commands
