@@ -141,14 +141,16 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 # Run by the child's own interpreter, so nothing runs between fork and exec in the parent's
 # image: a ``preexec_fn`` would make Python fork (not vfork) and run the parent's at-fork
 # hooks in the child, and gRPC's (a rollout worker talks to its queue over gRPC) aborted a
-# vLLM server at start (SIGABRT, "epoll_wait error: Bad file descriptor" in its log).
+# vLLM server at start (SIGABRT, "epoll_wait error: Bad file descriptor" in its log). It
+# imports this module (standard library only) from the checkout it is given.
 _TIED_EXEC = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None).prctl(1, int(sys.argv[1]), 0, 0, 0)\n"
-    "if os.getppid() != int(sys.argv[2]):\n"
-    "    sys.exit(128 + int(sys.argv[1]))  # the parent died before prctl took hold\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n"
+    "import os, sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from satjax.utils import die_with_parent\n"
+    "die_with_parent(int(sys.argv[2]))\n"
+    "if os.getppid() != int(sys.argv[3]):\n"
+    "    sys.exit(128 + int(sys.argv[2]))  # the parent died before the tie took hold\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[4:]])\n"
 )
 
 
@@ -165,7 +167,8 @@ def tied_to_this_process(python_argv: Sequence[str], sig: int = signal.SIGTERM) 
     'hi\\n'
     """
     python, *args = python_argv
-    return [python, "-c", _TIED_EXEC, str(int(sig)), str(os.getpid()), *args]
+    package_root = str(Path(__file__).resolve().parents[1])
+    return [python, "-c", _TIED_EXEC, package_root, str(int(sig)), str(os.getpid()), *args]
 
 
 def retain_freed_memory(pad_bytes: int = 64 << 20, mmap_bytes: int = 32 << 20) -> bool:
